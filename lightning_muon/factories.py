@@ -1,0 +1,86 @@
+"""Optimizer and scheduler factories as plain data, and back.
+
+The mixin takes factories (``OptimizerCallable``: ``params -> Optimizer``).
+Checkpoint hyperparameters must be plain data (loadable with
+``weights_only=True``), so a factory is saved as a spec
+``{"class_path": "torch.optim.AdamW", "init_args": {...}}`` and a spec is
+accepted wherever a factory is.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["describe", "resolve", "target_class"]
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, _PLAIN):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
+def _plain(value: Any) -> Any:
+    """Tuples become lists (weights_only unpickling accepts both; YAML only lists)."""
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _path(obj: Any) -> str:
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+def target_class(factory: Any) -> type | None:
+    """The class a factory builds, where that can be known without calling it."""
+    if isinstance(factory, dict):
+        factory = resolve(factory)
+    if inspect.isclass(factory):
+        return factory
+    if isinstance(factory, functools.partial):
+        return target_class(factory.func)
+    return None
+
+
+def describe(factory: Any) -> Any:
+    """A plain-data description of ``factory``: ``None``, a spec dict, or (last resort) its import path."""
+    if factory is None or isinstance(factory, dict):
+        return factory
+    if inspect.isclass(factory):
+        return {"class_path": _path(factory)}
+    if isinstance(factory, functools.partial) and inspect.isclass(factory.func) and not factory.args:
+        keywords = {k: v for k, v in factory.keywords.items() if _is_plain(v)}
+        if len(keywords) == len(factory.keywords):
+            return {"class_path": _path(factory.func), "init_args": _plain(keywords)}
+    return {"callable": _path(factory) if hasattr(factory, "__qualname__") else repr(factory)}
+
+
+def resolve(spec: Any) -> Callable[..., Any] | None:
+    """The factory for a spec from `describe` (or a factory, returned unchanged)."""
+    if spec is None or callable(spec):
+        return spec
+    if not isinstance(spec, dict) or ("class_path" not in spec and "callable" not in spec):
+        raise ValueError(
+            f"expected an optimizer/scheduler factory or a spec like "
+            f"{{'class_path': 'torch.optim.AdamW', 'init_args': {{'lr': 0.001}}}}, got {spec!r}"
+        )
+    path = spec.get("class_path") or spec["callable"]
+    module_name, _, name = path.rpartition(".")
+    try:
+        target = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ValueError(f"cannot import {path!r} from the factory spec {spec!r}: {error}") from error
+    init_args = spec.get("init_args") or {}
+    return functools.partial(target, **init_args) if init_args else target

@@ -1,0 +1,65 @@
+"""Learning-rate schedules for the pair of optimizers (one scheduler per optimizer)."""
+
+from __future__ import annotations
+
+import math
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+__all__ = ["WarmupCosine"]
+
+
+class WarmupCosine(LambdaLR):
+    """Linear warmup from 0, then a cosine decay to ``min_lr_ratio`` times each group's base lr.
+
+    Args:
+        optimizer: the optimizer.
+        warmup_steps: updates of linear warmup.
+        total_steps: length of the whole schedule in updates. ``None`` lets
+            `MuonMixin` fill in ``trainer.estimated_stepping_batches`` (the
+            number of updates of the fit) before the first step.
+        min_lr_ratio: the final lr as a fraction of the base lr.
+
+    In YAML (applied to both optimizers)::
+
+        lr_scheduler:
+          class_path: lightning_muon.WarmupCosine
+          init_args: {warmup_steps: 100}
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        warmup_steps: int = 0,
+        total_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+        last_epoch: int = -1,
+    ) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if total_steps is not None and total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1 or None, got {total_steps}")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+        self.warmup_steps = warmup_steps
+        self.total_steps = total_steps
+        self.min_lr_ratio = min_lr_ratio
+        super().__init__(optimizer, self.factor, last_epoch)
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the base lr after ``step`` updates."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.total_steps is None:
+            return 1.0
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def state_dict(self) -> dict:
+        # LambdaLR would try to save the bound method; everything it needs is in plain attributes.
+        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.__dict__.update(state_dict)
