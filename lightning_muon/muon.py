@@ -268,7 +268,8 @@ class Muon(Optimizer):
                     if "momentum_buffer" not in state:
                         state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
                     bufs.append(state["momentum_buffer"])
-                    names.append(self._name(group, i, index + i))
+                    if diagnose is not None:  # names are only needed to label diagnostics
+                        names.append(self._name(group, i, index + i))
             index += len(group["params"])
             if params:
                 self._update_group(group, params, grads, bufs, names, diagnose)
@@ -296,41 +297,36 @@ class Muon(Optimizer):
     ) -> None:
         lr = _scalar(group["lr"])
         momentum = group["momentum"]
-        # Elementwise work per (device, dtype), in foreach kernels.
-        by_kind: dict[tuple, list[int]] = defaultdict(list)
-        for k, p in enumerate(params):
-            by_kind[(p.device, p.dtype, p.grad.dtype)].append(k)
-        updates: list[Tensor] = [None] * len(params)  # type: ignore[list-item]
-        for ks in by_kind.values():
-            kind_grads, kind_bufs = [grads[k] for k in ks], [bufs[k] for k in ks]
-            torch._foreach_lerp_(kind_bufs, kind_grads, 1 - momentum)
-            # A fresh tensor when nesterov; otherwise the buffer itself, which
-            # Newton-Schulz only reads (it copies into ns_dtype first).
-            kind_updates = torch._foreach_lerp(kind_grads, kind_bufs, momentum) if group["nesterov"] else kind_bufs
-            for k, u in zip(ks, kind_updates):
-                updates[k] = u
-            decay = 1 - lr * group["weight_decay"]
-            if decay != 1.0:
-                torch._foreach_mul_([params[k] for k in ks], decay)
-
+        decay = 1 - lr * group["weight_decay"]
+        # Bucket by bucket, so a matrix's buffer and gradient are still in cache for its whole update
+        # (on CPU, sweeping every buffer first and orthogonalising afterwards measured slower).
         for bucket in self._buckets(group, params):
-            shape = matrix_shape(params[bucket[0]].shape)
-            orthogonal = self._orthogonalise(group, [updates[k] for k in bucket], shape)
-            step_lr = adjust_lr(lr, group["adjust_lr_fn"], shape)
             bucket_params = [params[k] for k in bucket]
-            torch._foreach_add_(bucket_params, [o.view_as(p) if o.is_contiguous() else o.reshape(p.shape)
-                                                for o, p in zip(orthogonal, bucket_params)], alpha=-step_lr)
+            bucket_grads, bucket_bufs = [grads[k] for k in bucket], [bufs[k] for k in bucket]
+            torch._foreach_lerp_(bucket_bufs, bucket_grads, 1 - momentum)
+            # A fresh tensor when nesterov; otherwise the buffer itself, which Newton-Schulz only
+            # reads (it copies into ns_dtype first).
+            updates = torch._foreach_lerp(bucket_grads, bucket_bufs, momentum) if group["nesterov"] else bucket_bufs
+            shape = matrix_shape(bucket_params[0].shape)
+            orthogonal = self._orthogonalise(group, updates, shape)
+            del updates
+            step_lr = adjust_lr(lr, group["adjust_lr_fn"], shape)
+            if decay != 1.0:
+                torch._foreach_mul_(bucket_params, decay)
+            # 2D updates go in as they are (a tall one is a transposed view: no copy); ND ones are unflattened.
+            shaped = [o if o.shape == p.shape else o.reshape(p.shape) for o, p in zip(orthogonal, bucket_params)]
+            torch._foreach_add_(bucket_params, shaped, alpha=-step_lr)
             if diagnose is not None:
                 self._record(bucket, params, names, orthogonal, step_lr, diagnose)
 
     @staticmethod
     def _buckets(group: dict[str, Any], params: list[Tensor]) -> list[list[int]]:
-        """Indices of ``params`` in runs of same flattened shape, dtype and device, within the byte cap."""
+        """Indices of ``params`` in runs of same flattened shape, dtypes and device, within the byte cap."""
         same: dict[tuple, list[int]] = defaultdict(list)
         for k, p in enumerate(params):
-            same[(matrix_shape(p.shape), p.dtype, p.device)].append(k)
+            same[(matrix_shape(p.shape), p.dtype, p.grad.dtype, p.device)].append(k)
         buckets = []
-        for (shape, _, device), ks in same.items():
+        for (shape, _, _, device), ks in same.items():
             cap = group["ns_batch_bytes"]
             if cap is None:
                 cap = _DEFAULT_BATCH_BYTES.get(device.type, _DEFAULT_BATCH_BYTES_ACCELERATOR)
