@@ -1,6 +1,7 @@
 """lightning_muon: the Muon optimizer as a one-line change for PyTorch Lightning."""
 
 from lightning_muon.mixin import MuonMixin
+from lightning_muon.monitor import MuonMonitor
 from lightning_muon.muon import Muon, ParamDiagnostics, adjust_lr
 from lightning_muon.newton_schulz import orthogonality_error, zeropower_via_newtonschulz
 from lightning_muon.routing import Routing, route_parameters
@@ -9,6 +10,7 @@ from lightning_muon.schedulers import WarmupCosine
 __all__ = [
     "Muon",
     "MuonMixin",
+    "MuonMonitor",
     "ParamDiagnostics",
     "Routing",
     "WarmupCosine",

@@ -243,6 +243,11 @@ class Muon(Optimizer):
             chosen = {id(p) for p in params}
             self._diagnose = lambda p: id(p) in chosen
 
+    def clear_diagnostics(self) -> None:
+        """Forget recorded diagnostics and any request not yet answered by a step."""
+        self._diagnose = None
+        self.diagnostics = []
+
     # --------------------------------------------------------------------- step
 
     @torch.no_grad()

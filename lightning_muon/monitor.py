@@ -1,0 +1,243 @@
+"""`MuonMonitor`: what Muon does, in the logger.
+
+Every ``log_every_n_steps`` updates it logs, in `LearningRateMonitor`'s key scheme:
+
+- ``lr-<OptimizerClass>/<group name>`` for every param group of every
+  optimizer (``lr-Muon/hidden``, ``lr-AdamW/embeddings``; ``pgN`` for unnamed
+  groups, no suffix for a lone unnamed group, ``-1``, ``-2`` when a class repeats);
+- ``muon/effective_lr_min`` and ``muon/effective_lr_max``: the learning rates
+  Muon's matrices really get after the shape adjustment;
+- ``muon/orthogonality_error`` (mean over the diagnosed matrices) and
+  ``muon/orthogonality_error_max``: for the update ``O`` of one matrix,
+  ``||O O^T - I_r||_F / sqrt(r)`` with ``r = min(m, n)``;
+- ``muon/update_rms``: RMS of the applied update (``effective_lr * O``);
+- ``muon/skipped_steps`` once `MuonMixin` has skipped an update.
+
+The orthogonality numbers come from `lightning_muon.Muon` itself, which
+records them during the logging step only (one ``r x r`` Gram matrix per
+matrix, nothing on other steps). For an optimizer that cannot report
+(``torch.optim.Muon``) the monitor recomputes the update from the gradient and
+momentum buffer before the step: one extra Newton-Schulz per diagnosed matrix
+on logging steps. The values are reduced across ranks with torchmetrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_muon.metrics import OrthogonalityError, UpdateRMS
+from lightning_muon.muon import Muon, adjust_lr, matrix_shape
+from lightning_muon.newton_schulz import orthogonality_error, zeropower_via_newtonschulz
+
+__all__ = ["MuonMonitor", "lr_keys"]
+
+
+def lr_keys(optimizers: list[Optimizer]) -> list[list[str]]:
+    """Logger keys for every param group, exactly as ``LearningRateMonitor`` names them."""
+    seen: defaultdict[type, int] = defaultdict(int)
+    keys = []
+    for optimizer in optimizers:
+        seen[type(optimizer)] += 1
+        name = f"lr-{type(optimizer).__name__}"
+        if seen[type(optimizer)] > 1:
+            name += f"-{seen[type(optimizer)] - 1}"
+        groups = optimizer.param_groups
+        names = [g.get("name") for g in groups]
+        duplicates = {n for n in names if n is not None and names.count(n) > 1}
+        if duplicates:
+            raise MisconfigurationException(
+                f"{name} has several param groups named {sorted(duplicates)}; give each group its own name."
+            )
+        if len(groups) > 1:
+            keys.append([f"{name}/{n or f'pg{i + 1}'}" for i, n in enumerate(names)])
+        else:
+            keys.append([f"{name}/{names[0]}" if names[0] else name])
+    return keys
+
+
+def _is_muon(optimizer: Optimizer) -> bool:
+    return isinstance(optimizer, (Muon, torch.optim.Muon))
+
+
+def _scalar(x: float | Tensor) -> float:
+    return x.item() if isinstance(x, Tensor) else float(x)
+
+
+class MuonMonitor(Callback):
+    """Log per-group learning rates, Muon's effective learning rates and how orthogonal its updates are.
+
+    Args:
+        log_every_n_steps: log after every this many updates (default: the
+            trainer's ``log_every_n_steps``). Steps count updates, as
+            ``trainer.global_step`` does under `MuonMixin`.
+        orthogonality: diagnose the orthogonality error and update RMS.
+        per_parameter: also log ``muon/orthogonality_error/<parameter name>``
+            for every diagnosed matrix.
+        sample: diagnose at most this many matrices per logging step (a window
+            that moves on each time, so all are covered over time); ``None``
+            diagnoses every Muon matrix.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[MuonMonitor(log_every_n_steps=10)])
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        orthogonality: bool = True,
+        per_parameter: bool = False,
+        sample: int | None = None,
+    ) -> None:
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise MisconfigurationException(f"log_every_n_steps must be None or an int >= 1, got {log_every_n_steps!r}")
+        if sample is not None and (isinstance(sample, bool) or not isinstance(sample, int) or sample < 1):
+            raise MisconfigurationException(f"sample must be None or an int >= 1, got {sample!r}")
+        self.log_every_n_steps = log_every_n_steps
+        self.orthogonality = orthogonality
+        self.per_parameter = per_parameter
+        self.sample = sample
+        self._pending: dict[str, Any] | None = None
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.loggers:
+            raise MisconfigurationException(
+                "Cannot use MuonMonitor with a Trainer that has no logger: pass logger=CSVLogger(...) "
+                "(or any logger) to the Trainer, or remove the callback."
+            )
+        self._every = self.log_every_n_steps or trainer.log_every_n_steps
+        self._optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
+        self._keys = lr_keys(self._optimizers)
+        self._muon = [o for o in self._optimizers if _is_muon(o)]
+        if not self._muon:
+            rank_zero_warn(
+                "MuonMonitor found no Muon optimizer (lightning_muon.Muon or torch.optim.Muon), so it logs "
+                "learning rates only. Train with MuonMixin (muon=...) to see Muon's diagnostics."
+            )
+        self._names = {id(p): n for n, p in pl_module.named_parameters()}
+        self._error = OrthogonalityError().to(pl_module.device)
+        self._rms = UpdateRMS().to(pl_module.device)
+        self._round = 0
+
+    # ------------------------------------------------------------- collecting
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        optimizer = getattr(optimizer, "optimizer", optimizer)
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # index of this update, as loggers count
+        if (step + 1) % self._every:
+            return
+        if self._pending is None or self._pending["step"] != step:
+            # The learning rates this update uses (schedulers step after it).
+            self._pending = {"step": step, "lrs": self._learning_rates(), "reporting": [], "recomputed": []}
+        if not (self.orthogonality and _is_muon(optimizer)):
+            return
+        chosen = self._choose(optimizer)
+        if isinstance(optimizer, Muon):
+            optimizer.clear_diagnostics()
+            optimizer.record_diagnostics(chosen)
+            self._pending["reporting"].append(optimizer)
+        else:
+            self._pending["recomputed"] += self._recompute(optimizer, chosen)
+
+    def _learning_rates(self) -> dict[str, float]:
+        metrics = {}
+        for optimizer, keys in zip(self._optimizers, self._keys):
+            for group, key in zip(optimizer.param_groups, keys):
+                metrics[key] = _scalar(group["lr"])
+        effective = [
+            adjust_lr(_scalar(g["lr"]), g["adjust_lr_fn"], p.shape)
+            for optimizer in self._muon
+            for g in optimizer.param_groups
+            for p in g["params"]
+        ]
+        if effective:
+            metrics["muon/effective_lr_min"] = min(effective)
+            metrics["muon/effective_lr_max"] = max(effective)
+        return metrics
+
+    def _choose(self, optimizer: Optimizer) -> list[Tensor]:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.sample is None or self.sample >= len(params):
+            return params
+        start = (self._round * self.sample) % len(params)
+        return [params[(start + i) % len(params)] for i in range(self.sample)]
+
+    @torch.no_grad()
+    def _recompute(self, optimizer: Optimizer, chosen: list[Tensor]) -> list[tuple[str, Tensor, Tensor, int]]:
+        """The update ``torch.optim.Muon`` is about to make, from its gradient and momentum buffer."""
+        chosen_ids = {id(p) for p in chosen}
+        results = []
+        for group in optimizer.param_groups:
+            momentum = group["momentum"]
+            for p in group["params"]:
+                if id(p) not in chosen_ids or p.grad is None:
+                    continue
+                buf = optimizer.state[p].get("momentum_buffer", torch.zeros_like(p.grad))
+                buf = buf.lerp(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                O = zeropower_via_newtonschulz(
+                    update.reshape(matrix_shape(p.shape)),
+                    ns_coefficients=group["ns_coefficients"],
+                    ns_steps=group["ns_steps"],
+                    eps=group["eps"],
+                ).float()
+                lr = adjust_lr(_scalar(group["lr"]), group["adjust_lr_fn"], p.shape)
+                rms = O.square().mean().sqrt() * lr
+                results.append((self._names.get(id(p), "?"), orthogonality_error(O), rms, p.numel()))
+        return results
+
+    # ---------------------------------------------------------------- logging
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        metrics = dict(pending["lrs"])
+        diagnosed = list(pending["recomputed"])
+        for optimizer in pending["reporting"]:
+            diagnosed += [
+                (d.name, d.orthogonality_error, d.update_rms, math.prod(d.shape)) for d in optimizer.diagnostics
+            ]
+            optimizer.clear_diagnostics()  # a skipped update leaves its request unanswered: drop it
+        if self.orthogonality and self._muon:
+            self._round += 1
+            device = self._error.device
+            empty = torch.zeros(0, device=device)
+            errors = torch.stack([e for _, e, _, _ in diagnosed]).to(device) if diagnosed else empty
+            rms = torch.stack([r for _, _, r, _ in diagnosed]).to(device) if diagnosed else empty
+            numel = torch.tensor([n for *_, n in diagnosed], dtype=torch.long, device=device)
+            self._error.reset()
+            self._rms.reset()
+            self._error.update(errors)
+            self._rms.update(rms, numel)
+            mean, largest = self._error.compute()  # collective: every rank gets here
+            if bool(torch.isfinite(mean)):  # NaN when no rank diagnosed anything
+                metrics["muon/orthogonality_error"] = mean.item()
+                metrics["muon/orthogonality_error_max"] = largest.item()
+                metrics["muon/update_rms"] = self._rms.compute().item()
+            if self.per_parameter:
+                for name, error, _, _ in diagnosed:
+                    metrics[f"muon/orthogonality_error/{name}"] = error.item()
+        skipped = getattr(pl_module, "skipped_updates", 0)
+        if skipped:
+            metrics["muon/skipped_steps"] = float(skipped)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=pending["step"])
