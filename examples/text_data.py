@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 __all__ = [
     "SEPARATOR",
+    "SKIP_DIRS",
     "ByteWindows",
     "RandomOffsets",
     "StdlibTextDataModule",
@@ -38,6 +39,7 @@ __all__ = [
     "corpus_files",
     "corpus_key",
     "read_corpus",
+    "stdlib_dir",
 ]
 
 #: Written after every file: the ASCII "file separator" control byte, which Python sources do not use.
@@ -152,8 +154,9 @@ class ByteWindows(Dataset):
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         start = int(self.offsets[index]) if self.offsets is not None else index
-        if not 0 <= start <= len(self.data) - self.block_size - 1:
-            raise IndexError(f"window {index} starts at byte {start}, outside 0..{len(self.data) - self.block_size - 1}")
+        last = len(self.data) - self.block_size - 1
+        if not 0 <= start <= last:
+            raise IndexError(f"window {index} starts at byte {start}, outside 0..{last}")
         window = self.data[start : start + self.block_size + 1].long()
         return window[:-1], window[1:]
 
