@@ -15,6 +15,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 __all__ = ["describe", "resolve", "target_class"]
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -43,6 +45,13 @@ def _path(obj: Any) -> str:
     return f"{obj.__module__}.{obj.__qualname__}"
 
 
+def _target_of_partial(factory: functools.partial) -> Any:
+    """The class a partial builds: ``partial(cls, ...)``, or jsonargparse's ``partial(f, instantiator, cls, ...)``."""
+    if inspect.isclass(factory.func):
+        return factory.func
+    return next((a for a in reversed(factory.args) if inspect.isclass(a)), None)
+
+
 def target_class(factory: Any) -> type | None:
     """The class a factory builds, where that can be known without calling it."""
     if isinstance(factory, dict):
@@ -50,8 +59,15 @@ def target_class(factory: Any) -> type | None:
     if inspect.isclass(factory):
         return factory
     if isinstance(factory, functools.partial):
-        return target_class(factory.func)
+        return _target_of_partial(factory)
     return None
+
+
+def _plain_value(value: Any) -> Any:
+    """A keyword argument as plain data (torch dtypes as their name), or the value itself if it has none."""
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return _plain(value)
 
 
 def describe(factory: Any) -> Any:
@@ -60,10 +76,11 @@ def describe(factory: Any) -> Any:
         return factory
     if inspect.isclass(factory):
         return {"class_path": _path(factory)}
-    if isinstance(factory, functools.partial) and inspect.isclass(factory.func) and not factory.args:
-        keywords = {k: v for k, v in factory.keywords.items() if _is_plain(v)}
-        if len(keywords) == len(factory.keywords):
-            return {"class_path": _path(factory.func), "init_args": _plain(keywords)}
+    if isinstance(factory, functools.partial):
+        target = _target_of_partial(factory)
+        keywords = {k: _plain_value(v) for k, v in factory.keywords.items()}
+        if target is not None and all(_is_plain(v) for v in keywords.values()):
+            return {"class_path": _path(target), "init_args": keywords} if keywords else {"class_path": _path(target)}
     return {"callable": _path(factory) if hasattr(factory, "__qualname__") else repr(factory)}
 
 

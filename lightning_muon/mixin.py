@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import FSDPStrategy, ParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -37,10 +38,15 @@ from lightning_muon.routing import ADAMW, MUON, Routing, route_parameters
 
 __all__ = ["MuonMixin", "DEFAULT_MUON", "DEFAULT_ADAMW"]
 
+# Defaults are specs (plain data) rather than partials, so LightningCLI can print and save them and
+# checkpoints hold plain hyperparameters; the mixin resolves them to factories.
 #: lightning_muon.Muon with Keller Jordan's settings.
-DEFAULT_MUON = functools.partial(Muon, lr=0.02, momentum=0.95, weight_decay=0.01)
+DEFAULT_MUON: dict = {"class_path": "lightning_muon.Muon", "init_args": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}}
 #: AdamW for embeddings, head, norms and biases; fused where the device supports it.
-DEFAULT_ADAMW = functools.partial(torch.optim.AdamW, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
+DEFAULT_ADAMW: dict = {
+    "class_path": "torch.optim.AdamW",
+    "init_args": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.0},
+}
 
 #: Parent hooks that manual optimization never calls.
 _UNCALLED_HOOKS = ("optimizer_step", "configure_gradient_clipping", "lr_scheduler_step", "optimizer_zero_grad")
@@ -129,9 +135,9 @@ class MuonMixin:
     def __init__(
         self,
         *,
-        muon: Callable[..., torch.optim.Optimizer] | None = DEFAULT_MUON,
-        adamw: Callable[..., torch.optim.Optimizer] = DEFAULT_ADAMW,
-        lr_scheduler: Callable[..., Any] | None = None,
+        muon: OptimizerCallable | None = DEFAULT_MUON,  # type: ignore[assignment]
+        adamw: OptimizerCallable = DEFAULT_ADAMW,  # type: ignore[assignment]
+        lr_scheduler: LRSchedulerCallable | None = None,
         muon_params: Sequence[str] = (),
         adamw_params: Sequence[str] = (),
         accumulate_grad_batches: int = 1,
@@ -170,7 +176,11 @@ class MuonMixin:
             "gradient_clip_val": gradient_clip_val,
             "max_consecutive_skips": max_consecutive_skips,
         }
-        self.save_hyperparameters({**self.hparams, **self._muon_settings})
+        # Hyperparameters: what the parent saved (if it did), plus this constructor's arguments as plain
+        # data, including those forwarded to the parent (or LightningCLI's config, when it built the model).
+        saved_by_parent = dict(self.hparams)
+        self.save_hyperparameters()
+        self.save_hyperparameters({**saved_by_parent, **self.hparams, **self._muon_settings_for_hparams()})
         #: Updates skipped because of non-finite gradients (16-mixed overflows included), and in a row.
         self.skipped_updates = 0
         self._consecutive_skips = 0
@@ -178,6 +188,11 @@ class MuonMixin:
         self._losses_in_update = 0
         self._in_training_step = False
         self._warned_none = False
+
+    def _muon_settings_for_hparams(self) -> dict[str, Any]:
+        """The mixin's settings as plain data; LightningCLI's config already has them in its own form."""
+        given = self.hparams.get("_class_path") is not None
+        return {} if given else self._muon_settings
 
     # ----------------------------------------------------------------- routing
 

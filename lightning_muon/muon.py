@@ -126,7 +126,8 @@ class Muon(Optimizer):
         adjust_lr_fn: shape scaling of the lr, see `adjust_lr`: ``None``/``"original"``,
             ``"match_rms_adamw"``, ``"spectral"`` or ``"none"`` (default: None).
         ns_dtype: compute dtype of Newton-Schulz (default: ``torch.bfloat16``, as
-            torch; ``torch.float32`` where bf16 matmuls are slow).
+            torch; ``torch.float32`` where bf16 matmuls are slow); a name such as
+            ``"float32"`` is accepted too.
         ns_batch_bytes: most bytes (in ``ns_dtype``) of one batched Newton-Schulz
             call over same-shape matrices; ``0`` orthogonalises one matrix at a
             time, exactly as ``torch.optim.Muon``. Default ``None``: 1 MiB on
@@ -145,7 +146,7 @@ class Muon(Optimizer):
         ns_steps: int = DEFAULT_NS_STEPS,
         adjust_lr_fn: str | None = None,
         *,
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype | str = torch.bfloat16,
         ns_batch_bytes: int | None = None,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -164,6 +165,8 @@ class Muon(Optimizer):
             raise ValueError(f"Invalid ns_coefficients: {ns_coefficients!r} (must be three numbers (a, b, c))")
         if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
             raise ValueError(f"Invalid ns_steps: {ns_steps!r} (must be an int in [0, 100))")
+        if isinstance(ns_dtype, str):  # "bfloat16" or "torch.bfloat16", as YAML and saved hparams spell it
+            ns_dtype = getattr(torch, ns_dtype.removeprefix("torch."), ns_dtype)
         if not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
             raise ValueError(f"Invalid ns_dtype: {ns_dtype!r} (must be a floating dtype, e.g. torch.bfloat16)")
         if ns_batch_bytes is not None and (

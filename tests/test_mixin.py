@@ -275,7 +275,7 @@ def test_scheduler_steps_once_per_update_on_both_optimizers_with_total_from_the_
 def test_hyperparameters_are_plain_data(tmp_path):
     model = MuonRegression()
     assert model.hparams["muon"] == {
-        "class_path": "lightning_muon.muon.Muon",
+        "class_path": "lightning_muon.Muon",
         "init_args": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01},
     }
     json.dumps(dict(model.hparams))  # nothing but plain data

@@ -330,8 +330,8 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, two_epoch_run
         "class_path": "lightning_muon.schedulers.WarmupCosine",
         "init_args": {"warmup_steps": 2},
     }
-    assert hparams["muon"]["class_path"] == "lightning_muon.muon.Muon"
-    assert hparams["adamw"]["class_path"] == "torch.optim.adamw.AdamW"
+    assert hparams["muon"]["class_path"] == "lightning_muon.Muon"
+    assert hparams["adamw"]["class_path"] == "torch.optim.AdamW"
 
     resumed = Model(lr_scheduler=SCHEDULE)
     trainer = make_trainer(tmp_path, max_epochs=2)

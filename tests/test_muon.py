@@ -537,7 +537,8 @@ CONSTRUCTOR_ERRORS = [
     ({"ns_steps": True}, ValueError, r"Invalid ns_steps: True"),
     ({"ns_coefficients": (1, 2)}, ValueError, r"Invalid ns_coefficients: \(1, 2\)"),
     ({"ns_dtype": torch.int32}, ValueError, r"Invalid ns_dtype: torch\.int32"),
-    ({"ns_dtype": "bfloat16"}, ValueError, r"Invalid ns_dtype: 'bfloat16'"),
+    ({"ns_dtype": "bogus16"}, ValueError, r"Invalid ns_dtype: 'bogus16'"),
+    ({"ns_dtype": "int32"}, ValueError, r"Invalid ns_dtype: torch.int32"),
     ({"ns_batch_bytes": -1}, ValueError, r"Invalid ns_batch_bytes: -1"),
     ({"ns_batch_bytes": True}, ValueError, r"Invalid ns_batch_bytes: True"),
     # a float used to pass, then crash step with "TypeError: 'float' object cannot be interpreted as an integer"
@@ -684,3 +685,9 @@ def test_mixed_dtypes_in_one_group_step_like_separate_optimizers():
         assert opt.state[params[k]]["momentum_buffer"].dtype == dtypes[k]
         assert torch.equal(params[k], q)
         assert torch.equal(opt.state[params[k]]["momentum_buffer"], single.state[q]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("name", ["float32", "torch.float32"])
+def test_ns_dtype_by_name_as_yaml_spells_it(name):
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    assert Muon([p], ns_dtype=name).param_groups[0]["ns_dtype"] is torch.float32
