@@ -156,8 +156,8 @@ class GPT(L.LightningModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         loss = self.loss(batch)
-        self.log("val_loss", loss, on_epoch=True, prog_bar=True)
-        self.log("val_bpb", loss / math.log(2), on_epoch=True)
+        self.log("val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True)
+        self.log("val_bpb", loss / math.log(2), on_epoch=True, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW on every parameter: used by `GPT` alone, never by `CharGPT` (the mixin brings its own pair)."""

@@ -134,7 +134,7 @@ class CNN(L.LightningModule):
         images, labels = batch
         logits = self(images)
         self.val_acc(logits, labels)
-        self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True)
+        self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True, sync_dist=True)
         self.log("val_acc", self.val_acc, prog_bar=True)
 
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:

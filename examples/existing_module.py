@@ -55,8 +55,8 @@ class MuonLightningTransformer(MuonMixin, LightningTransformer):
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         # The demo's own loss; outside training the mixin runs training_step without backward or update.
         loss = self.training_step(batch, batch_idx)
-        self.log("val_loss", loss, on_epoch=True, prog_bar=True)
-        self.log("val_bpb", loss / math.log(2), on_epoch=True)
+        self.log("val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True)
+        self.log("val_bpb", loss / math.log(2), on_epoch=True, sync_dist=True)
 
 
 class StdlibWindowsDataModule(StdlibTextDataModule):

@@ -20,8 +20,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
@@ -90,7 +92,7 @@ def inspect_config(args: Sequence[str]) -> None:
     finally:
         sys.argv = argv
     model = cli.model
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # whole names when piped
     if not hasattr(model, "muon_routing"):
         console.print(f"{type(model).__name__} does not use MuonMixin: every parameter stays on its own optimizer.")
         return
@@ -110,6 +112,47 @@ def _hand_over_to_lightning_sdk(argv: list[str]) -> None:
     entrypoint.main_cli()
 
 
+_EXTENDS = re.compile(r"^#\s*extends:\s*(\S+)\s*$", re.MULTILINE)
+
+
+def config_chain(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> list[Path]:
+    """``path`` preceded by the files it extends (a ``# extends: base.yaml`` comment line, relative to it).
+
+    LightningCLI merges repeated ``--config`` files key by key, so a config can
+    hold only what differs from its base; the comment keeps the file plain YAML.
+    """
+    path = Path(path)
+    if path.resolve() in _seen:
+        raise ValueError(f"config {path} extends itself through {' -> '.join(map(str, _seen))}")
+    try:
+        text = path.read_text()
+    except OSError:
+        return [path]  # LightningCLI reports a missing file in its own words
+    chain: list[Path] = []
+    for base in _EXTENDS.findall(text):
+        chain += config_chain(path.parent / base, (*_seen, path.resolve()))
+    return chain + [path]
+
+
+def _expand_configs(argv: list[str]) -> list[str]:
+    """Every ``--config FILE`` (or ``-c FILE``, ``--config=FILE``) preceded by the configs it extends."""
+    expanded: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg in ("-c", "--config"):
+            path = next(args, None)
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            expanded.append(arg)
+            continue
+        if path is None:
+            expanded.append(arg)
+        else:
+            expanded += [f"--config={p}" for p in config_chain(path)]
+    return expanded
+
+
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``lightning``, ``lightning-muon`` and ``python -m lightning_muon``."""
     argv = list(sys.argv[1:] if args is None else args)
@@ -119,7 +162,7 @@ def main(args: Sequence[str] | None = None) -> None:
         sys.path.insert(0, os.getcwd())
     command = argv[0] if argv else None
     if command == "inspect":
-        inspect_config(argv[1:])
+        inspect_config(_expand_configs(argv[1:]))
         return
     if command is not None and not command.startswith("-") and command not in SUBCOMMANDS:
         if importlib.util.find_spec("lightning_sdk") is not None:
@@ -130,4 +173,5 @@ def main(args: Sequence[str] | None = None) -> None:
             "for example: lightning-muon fit --config configs/gpt_muon.yaml"
         )
         raise SystemExit(2)
-    MuonCLI(args=None if args is None else argv)
+    expanded = _expand_configs(argv)
+    MuonCLI(args=None if args is None and expanded == argv else expanded)

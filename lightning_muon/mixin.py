@@ -223,7 +223,7 @@ class MuonMixin:
         if self._muon_factories["muon"] is None or not routing.muon_groups:
             optimizers = [self._make_adamw(routing.muon_groups + routing.adamw_groups)]
         else:
-            optimizers = [self._muon_factories["muon"](routing.muon_groups), self._make_adamw(routing.adamw_groups)]
+            optimizers = [self._build("muon", routing.muon_groups), self._make_adamw(routing.adamw_groups)]
         factory = self._muon_factories["lr_scheduler"]
         if factory is None:
             return optimizers
@@ -235,14 +235,21 @@ class MuonMixin:
             schedulers.append({"scheduler": scheduler, "interval": "step"})
         return optimizers, schedulers
 
+    def _build(self, which: str, groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimizer:
+        """Call the ``which`` factory; a bad setting is reported with the argument it came from."""
+        try:
+            return self._muon_factories[which](groups, **kwargs)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"MuonMixin could not build the `{which}` optimizer ({self._muon_settings[which]}): {error}") from error
+
     def _make_adamw(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         factory = self._muon_factories["adamw"]
         # Fused AdamW is several times faster where the device supports it (CPU and CUDA in torch >= 2.4).
-        if target_class(factory) is torch.optim.AdamW and "fused" not in getattr(factory, "keywords", {}):
+        if target_class(factory) is torch.optim.AdamW and getattr(factory, "keywords", {}).get("fused") is None:
             params = [p for g in groups for _, p in g["params"]]
             if all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params):
-                return factory(groups, fused=True)
-        return factory(groups)
+                return self._build("adamw", groups, fused=True)
+        return self._build("adamw", groups)
 
     # -------------------------------------------------------------- fit checks
 

@@ -152,7 +152,7 @@ class Muon(Optimizer):
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
         if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
+            raise ValueError(f"Invalid learning rate lr: {lr} (must be >= 0)")
         if not 0.0 <= momentum:
             raise ValueError(f"Invalid momentum value: {momentum} (must be >= 0)")
         if not 0.0 <= weight_decay:

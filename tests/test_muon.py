@@ -525,7 +525,7 @@ def test_record_diagnostics_for_a_subset():
 
 CONSTRUCTOR_ERRORS = [
     # (kwargs, error type, message pattern)
-    ({"lr": -1.0}, ValueError, r"Invalid learning rate: -1\.0"),
+    ({"lr": -1.0}, ValueError, r"Invalid learning rate lr: -1\.0"),
     ({"lr": torch.tensor([0.1, 0.2])}, ValueError, r"Tensor lr must be 1-element, got shape \(2,\)"),
     ({"momentum": -0.1}, ValueError, r"Invalid momentum value: -0\.1"),
     ({"weight_decay": -1.0}, ValueError, r"Invalid weight_decay value: -1\.0"),

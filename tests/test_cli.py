@@ -1,0 +1,166 @@
+"""The command: every shipped config through the real entry point, inspect, help, hand-over, config errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_muon.cli import config_chain, main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+DISTRIBUTED = {"gpt_muon_ddp.yaml"}
+FAST = ["--trainer.fast_dev_run", "2", "--trainer.enable_progress_bar", "false"]
+
+
+@pytest.fixture(autouse=True)
+def _in_repository_root(monkeypatch, tmp_path):
+    """Configs name `examples.*` classes, resolved from the working directory like the real command."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("LIGHTNING_MUON_TEST_TMP", str(tmp_path))
+
+
+def test_every_shipped_config_is_tested():
+    names = {p.name for p in CONFIGS}
+    assert {"gpt_muon.yaml", "gpt_adamw.yaml", "gpt_muon_ddp.yaml", "gpt_torch_muon.yaml", "cnn_muon.yaml",
+            "existing_module_muon.yaml"} <= names
+
+
+@pytest.mark.parametrize("config", [p for p in CONFIGS if p.name not in DISTRIBUTED], ids=lambda p: p.name)
+def test_config_fits_through_main(config, capsys):
+    main(["fit", "--config", str(config.relative_to(ROOT)), *FAST])
+    out = capsys.readouterr().out
+    if config.name.startswith("gpt_"):
+        assert "val_bpb" in out  # the example's closing line: val loss and bits per byte
+
+
+@pytest.mark.parametrize("config", [p for p in CONFIGS if p.name in DISTRIBUTED], ids=lambda p: p.name)
+def test_distributed_config_fits_with_two_processes(config):
+    """Through the real command in a subprocess: Lightning's DDP launcher re-runs that command for rank 1."""
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_muon", "fit", "--config", str(config.relative_to(ROOT)), *FAST],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_print_config_round_trips(config, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(config.relative_to(ROOT)), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    saved = tmp_path / "printed.yaml"
+    saved.write_text(printed)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(saved), "--print_config"])
+    assert capsys.readouterr().out == printed
+
+
+def test_extends_puts_the_base_first(tmp_path):
+    (tmp_path / "base.yaml").write_text("seed_everything: 1\n")
+    (tmp_path / "mid.yaml").write_text("# extends: base.yaml\n")
+    (tmp_path / "top.yaml").write_text("# a comment\n# extends: mid.yaml\nseed_everything: 2\n")
+    assert config_chain(tmp_path / "top.yaml") == [tmp_path / "base.yaml", tmp_path / "mid.yaml", tmp_path / "top.yaml"]
+    (tmp_path / "loop.yaml").write_text("# extends: loop.yaml\n")
+    with pytest.raises(ValueError, match="extends itself"):
+        config_chain(tmp_path / "loop.yaml")
+
+
+def test_inspect_prints_char_gpt_routing(capsys):
+    main(["inspect", "--config", "configs/gpt_muon.yaml"])
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in out.splitlines()
+            if line.startswith("│") and "." in line.split("│")[1]}
+    assert rows["wte.weight"][1:3] == ["AdamW", "embeddings"]
+    assert rows["wpe.weight"][1:3] == ["AdamW", "embeddings"]
+    assert rows["lm_head.weight"][1:3] == ["AdamW", "head"]
+    block_matrices = [n for n in rows if n.startswith("blocks.") and n.endswith(".weight") and "ln_" not in n]
+    assert len(block_matrices) == 4 * 4
+    for name in block_matrices:
+        assert rows[name][1] == "Muon", name
+    assert rows["blocks.0.attn.qkv.weight"][-1] == "0.0346"  # 0.02 * sqrt(384 / 128)
+    assert rows["wte.weight"][-1] == "0.003"
+    assert "Muon: 16 tensors" in out
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["lightning", "--help"],
+        ["lightning-muon", "fit", "--help"],
+        [sys.executable, "-m", "lightning_muon", "fit", "--help"],
+    ],
+    ids=["lightning --help", "lightning-muon fit --help", "python -m lightning_muon fit --help"],
+)
+def test_help(command):
+    if not command[0].startswith(sys.executable) and not _on_path(command[0]):
+        pytest.skip(f"{command[0]} is not installed as a console script here")
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--config" in result.stdout
+    if command[-2:] == ["--help"] and len(command) == 2:
+        assert "inspect" in result.stdout
+
+
+def _on_path(name: str) -> bool:
+    return any((Path(d) / name).exists() for d in os.environ.get("PATH", "").split(os.pathsep))
+
+
+def test_model_help_shows_the_mixin_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.help", "examples.char_gpt.CharGPT"])
+    out = capsys.readouterr().out
+    for argument in ("muon", "adamw", "lr_scheduler", "muon_params", "adamw_params", "accumulate_grad_batches",
+                     "gradient_clip_val", "n_layer", "n_embd"):
+        assert f"--model.{argument}" in out, argument
+
+
+def test_unknown_subcommand_goes_to_lightning_sdk(tmp_path, monkeypatch):
+    package = tmp_path / "lightning_sdk" / "cli"
+    package.mkdir(parents=True)
+    (tmp_path / "lightning_sdk" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "entrypoint.py").write_text(
+        "import sys\nCALLS = []\ndef main_cli():\n    CALLS.append(list(sys.argv))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["lightning", "login", "--token", "x"])
+    main(["login", "--token", "x"])
+    import lightning_sdk.cli.entrypoint as entrypoint
+
+    assert entrypoint.CALLS == [["lightning", "login", "--token", "x"]]
+    for name in [m for m in sys.modules if m.startswith("lightning_sdk")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_unknown_subcommand_without_lightning_sdk_prints_usage(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lightning_sdk" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["login"])
+    assert exit_info.value.code == 2
+    assert "unknown subcommand 'login'" in capsys.readouterr().err
+
+
+def test_typo_in_a_mixin_argument_fails_before_training(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "configs/gpt_muon.yaml", "--model.init_args.muon_parms", "[x]", *FAST])
+    assert "muon_parms" in capsys.readouterr().err
+
+
+def test_routing_pattern_matching_nothing_fails_before_training():
+    with pytest.raises(ValueError, match=r"muon_params pattern 'blocks\.\*\.nothing' matches no trainable parameter"):
+        main(["fit", "--config", "configs/gpt_muon.yaml", "--model.init_args.muon_params", "[blocks.*.nothing]", *FAST])
+
+
+def test_negative_lr_fails_before_training_naming_the_key():
+    with pytest.raises(ValueError, match=r"`muon` optimizer.*Invalid learning rate lr: -1"):
+        main(["fit", "--config", "configs/gpt_muon.yaml", "--model.init_args.muon.init_args.lr", "-1", *FAST])
