@@ -31,10 +31,12 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_muon.distributed import World, any_rank, assign_owners, exchange, is_dtensor, replicated_world
 from lightning_muon.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
+    ns_flops,
     orthogonality_error,
     zeropower_via_newtonschulz,
 )
@@ -97,6 +99,17 @@ class ParamDiagnostics(NamedTuple):
     update_rms: Tensor
 
 
+class _Job(NamedTuple):
+    """Same-shape matrices of one group, orthogonalised in one (batched) Newton-Schulz call."""
+
+    group: dict[str, Any]
+    params: list[Tensor]
+    grads: list[Tensor]
+    bufs: list[Tensor]
+    names: list[str]
+    shape: tuple[int, int]
+
+
 def _scalar(x: float | Tensor) -> float:
     return x.item() if isinstance(x, Tensor) else x
 
@@ -132,6 +145,13 @@ class Muon(Optimizer):
             call over same-shape matrices; ``0`` orthogonalises one matrix at a
             time, exactly as ``torch.optim.Muon``. Default ``None``: 1 MiB on
             CPU, 256 MiB on accelerators.
+        split_ns: under DDP (an initialised process group of several ranks and
+            plain, replicated parameters) each rank orthogonalises a share of
+            the matrices, balanced by FLOPs, and the results are all-gathered
+            (one copy of the updates in ``ns_dtype``); every rank still keeps
+            every momentum buffer. ``False``: every rank does all the work, as
+            ``torch.optim.Muon``. Sharded (FSDP2/DTensor) parameters are always
+            gathered whole for Newton-Schulz.
     """
 
     def __init__(
@@ -148,6 +168,7 @@ class Muon(Optimizer):
         *,
         ns_dtype: torch.dtype | str = torch.bfloat16,
         ns_batch_bytes: int | None = None,
+        split_ns: bool = True,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
@@ -186,6 +207,11 @@ class Muon(Optimizer):
             "ns_dtype": ns_dtype,
             "ns_batch_bytes": ns_batch_bytes,
         }
+        #: Under DDP (an initialised process group, replicated parameters), each rank orthogonalises
+        #: a share of the matrices and the results are all-gathered.
+        self.split_ns = split_ns
+        #: Bytes this rank sent in the last split step's exchange (0 when not split).
+        self.last_exchange_bytes = 0
         self._diagnose: Callable[[Tensor], bool] | None = None
         #: What the last step that recorded diagnostics did, one entry per diagnosed matrix.
         self.diagnostics: list[ParamDiagnostics] = []
@@ -220,6 +246,8 @@ class Muon(Optimizer):
             group.setdefault("ns_dtype", self.defaults.get("ns_dtype", torch.bfloat16))
             group.setdefault("ns_batch_bytes", self.defaults.get("ns_batch_bytes"))
         self.__dict__.setdefault("_diagnose", None)
+        self.__dict__.setdefault("split_ns", True)
+        self.__dict__.setdefault("last_exchange_bytes", 0)
         self.__dict__.setdefault("diagnostics", [])
 
     def effective_lr(self, param: Tensor) -> float:
@@ -264,29 +292,84 @@ class Muon(Optimizer):
         diagnose, self._diagnose = self._diagnose, None
         if diagnose is not None:
             self.diagnostics = []
-        index = 0
+        every = [p for group in self.param_groups for p in group["params"]]
+        world = replicated_world(every) if self.split_ns and every else None
+        has_grad = [p.grad is not None for p in every]
+        if world is not None:
+            # Every rank must build the same jobs: a gradient missing on one rank is zero there.
+            has_grad = any_rank(has_grad, every[0].device)
+        jobs, index = [], 0
         for group in self.param_groups:
             params, grads, bufs, names = [], [], [], []
             for i, p in enumerate(group["params"]):
-                if p.grad is not None:
-                    self._check_grad(group, i, index + i, p)
-                    params.append(p)
-                    grads.append(p.grad)
-                    state = self.state[p]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                    bufs.append(state["momentum_buffer"])
-                    if diagnose is not None:  # names are only needed to label diagnostics
-                        names.append(self._name(group, i, index + i))
+                if not has_grad[index + i]:
+                    continue
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                self._check_grad(group, i, index + i, p, grad)
+                params.append(p)
+                grads.append(grad)
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                bufs.append(state["momentum_buffer"])
+                names.append(self._name(group, i, index + i) if diagnose is not None else "")
             index += len(group["params"])
-            if params:
-                self._update_group(group, params, grads, bufs, names, diagnose)
+            for bucket in self._buckets(group, params):
+                pick = [params[k] for k in bucket], [grads[k] for k in bucket], [bufs[k] for k in bucket]
+                jobs.append(_Job(group, *pick, [names[k] for k in bucket], matrix_shape(params[bucket[0]].shape)))
+
+        if world is None:
+            # Job by job, so a matrix's buffer and gradient are still in cache for its whole update
+            # (on CPU, sweeping every buffer first and orthogonalising afterwards measured slower).
+            for job in jobs:
+                self._apply(job, self._orthogonalise(job.group, self._momentum(job), job.shape), diagnose)
+        else:
+            self._step_split(jobs, world, diagnose)
         return loss
 
-    def _check_grad(self, group: dict[str, Any], i: int, index: int, p: Tensor) -> None:
-        if torch.is_complex(p) or torch.is_complex(p.grad):
+    def _step_split(self, jobs: list[_Job], world: World, diagnose: Callable[[Tensor], bool] | None) -> None:
+        """Each rank orthogonalises its share of the jobs; the results are all-gathered; all apply all."""
+        updates = [self._momentum(job) for job in jobs]
+        owners = assign_owners([ns_flops(*job.shape) * len(job.params) for job in jobs], world.size)
+        local = {
+            j: self._orthogonalise(job.group, updates[j], job.shape)
+            for j, job in enumerate(jobs)
+            if owners[j] == world.rank
+        }
+        del updates
+        layouts = [(len(job.params), job.shape, job.group["ns_dtype"]) for job in jobs]
+        device = jobs[0].params[0].device if jobs else torch.device("cpu")
+        gathered = exchange(local, owners, layouts, world, device)
+        self.last_exchange_bytes = int(sum(t.numel() * t.element_size() for ts in local.values() for t in ts))
+        for job, orthogonal in zip(jobs, gathered):
+            self._apply(job, orthogonal, diagnose)
+
+    @staticmethod
+    def _momentum(job: _Job) -> list[Tensor]:
+        """Update the momentum buffers; return the tensors to orthogonalise (Nesterov or the buffers)."""
+        momentum = job.group["momentum"]
+        torch._foreach_lerp_(job.bufs, job.grads, 1 - momentum)
+        # A fresh tensor when nesterov; otherwise the buffer itself, which Newton-Schulz only reads
+        # (it copies into ns_dtype first).
+        return torch._foreach_lerp(job.grads, job.bufs, momentum) if job.group["nesterov"] else job.bufs
+
+    def _apply(self, job: _Job, orthogonal: list[Tensor], diagnose: Callable[[Tensor], bool] | None) -> None:
+        """Decoupled weight decay with the base lr, then the shape-adjusted orthogonalised step."""
+        lr = _scalar(job.group["lr"])
+        decay = 1 - lr * job.group["weight_decay"]
+        step_lr = adjust_lr(lr, job.group["adjust_lr_fn"], job.shape)
+        if decay != 1.0:
+            torch._foreach_mul_(job.params, decay)
+        # 2D updates go in as they are (a tall one is a transposed view: no copy); ND ones are unflattened.
+        shaped = [o if o.shape == p.shape else o.reshape(p.shape) for o, p in zip(orthogonal, job.params)]
+        torch._foreach_add_(job.params, shaped, alpha=-step_lr)
+        if diagnose is not None:
+            self._record(job, orthogonal, step_lr, diagnose)
+
+    def _check_grad(self, group: dict[str, Any], i: int, index: int, p: Tensor, grad: Tensor) -> None:
+        if torch.is_complex(p) or torch.is_complex(grad):
             raise RuntimeError(f"Muon does not support complex parameters: {self._describe(group, i, index)}")
-        if p.grad.is_sparse:
+        if grad.is_sparse:
             raise RuntimeError(f"Muon does not support sparse gradients: {self._describe(group, i, index)}")
 
     @staticmethod
@@ -294,47 +377,18 @@ class Muon(Optimizer):
         names = group.get("param_names")
         return names[i] if names else f"{group.get('name', 'params')}.{index}"
 
-    def _update_group(
-        self,
-        group: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        bufs: list[Tensor],
-        names: list[str],
-        diagnose: Callable[[Tensor], bool] | None,
-    ) -> None:
-        lr = _scalar(group["lr"])
-        momentum = group["momentum"]
-        decay = 1 - lr * group["weight_decay"]
-        # Bucket by bucket, so a matrix's buffer and gradient are still in cache for its whole update
-        # (on CPU, sweeping every buffer first and orthogonalising afterwards measured slower).
-        for bucket in self._buckets(group, params):
-            bucket_params = [params[k] for k in bucket]
-            bucket_grads, bucket_bufs = [grads[k] for k in bucket], [bufs[k] for k in bucket]
-            torch._foreach_lerp_(bucket_bufs, bucket_grads, 1 - momentum)
-            # A fresh tensor when nesterov; otherwise the buffer itself, which Newton-Schulz only
-            # reads (it copies into ns_dtype first).
-            updates = torch._foreach_lerp(bucket_grads, bucket_bufs, momentum) if group["nesterov"] else bucket_bufs
-            shape = matrix_shape(bucket_params[0].shape)
-            orthogonal = self._orthogonalise(group, updates, shape)
-            del updates
-            step_lr = adjust_lr(lr, group["adjust_lr_fn"], shape)
-            if decay != 1.0:
-                torch._foreach_mul_(bucket_params, decay)
-            # 2D updates go in as they are (a tall one is a transposed view: no copy); ND ones are unflattened.
-            shaped = [o if o.shape == p.shape else o.reshape(p.shape) for o, p in zip(orthogonal, bucket_params)]
-            torch._foreach_add_(bucket_params, shaped, alpha=-step_lr)
-            if diagnose is not None:
-                self._record(bucket, params, names, orthogonal, step_lr, diagnose)
-
     @staticmethod
     def _buckets(group: dict[str, Any], params: list[Tensor]) -> list[list[int]]:
-        """Indices of ``params`` in runs of same flattened shape, dtypes and device, within the byte cap."""
+        """Indices of ``params`` in runs of same flattened shape, dtypes and device, within the byte cap.
+
+        Sharded (DTensor) matrices are orthogonalised one at a time, each gathered whole.
+        """
         same: dict[tuple, list[int]] = defaultdict(list)
         for k, p in enumerate(params):
-            same[(matrix_shape(p.shape), p.dtype, p.grad.dtype, p.device)].append(k)
+            key = (matrix_shape(p.shape), p.dtype, p.grad.dtype if p.grad is not None else p.dtype, p.device)
+            same[(*key, k) if is_dtensor(p) else key].append(k)
         buckets = []
-        for (shape, _, _, device), ks in same.items():
+        for (shape, _, _, device, *_), ks in same.items():
             cap = group["ns_batch_bytes"]
             if cap is None:
                 cap = _DEFAULT_BATCH_BYTES.get(device.type, _DEFAULT_BATCH_BYTES_ACCELERATOR)
@@ -351,26 +405,34 @@ class Muon(Optimizer):
             "eps": group["eps"],
             "dtype": group["ns_dtype"],
         }
+        if len(updates) == 1 and is_dtensor(updates[0]):
+            # FSDP2: Newton-Schulz needs the whole matrix, never a shard. Gather it, orthogonalise,
+            # and keep this rank's shard of the result (every rank computes the same full matrix).
+            from torch.distributed.tensor import distribute_tensor
+
+            update = updates[0]
+            full = zeropower_via_newtonschulz(update.full_tensor().reshape(shape), **kwargs)
+            shard = distribute_tensor(
+                full.reshape(update.shape), update.device_mesh, update.placements, src_data_rank=None
+            )
+            return [shard]
         if len(updates) == 1:
             return [zeropower_via_newtonschulz(updates[0].reshape(shape), **kwargs)]
         stack = torch.stack([u.reshape(shape) for u in updates])
         return list(zeropower_via_newtonschulz(stack, **kwargs).unbind(0))
 
     def _record(
-        self,
-        bucket: list[int],
-        params: list[Tensor],
-        names: list[str],
-        orthogonal: list[Tensor],
-        step_lr: float,
-        diagnose: Callable[[Tensor], bool],
+        self, job: _Job, orthogonal: list[Tensor], step_lr: float, diagnose: Callable[[Tensor], bool]
     ) -> None:
-        chosen = [j for j, k in enumerate(bucket) if diagnose(params[k])]
+        chosen = [j for j, p in enumerate(job.params) if diagnose(p)]
         if not chosen:
             return
-        stack = torch.stack([orthogonal[j] for j in chosen]).float()
+        matrices = [orthogonal[j] for j in chosen]
+        if is_dtensor(matrices[0]):
+            matrices = [m.full_tensor().reshape(job.shape) for m in matrices]
+        stack = torch.stack(matrices).float()
         errors = orthogonality_error(stack)
         rms = stack.pow(2).mean(dim=(-2, -1)).sqrt() * step_lr
         for j, err, r in zip(chosen, errors, rms):
-            k = bucket[j]
-            self.diagnostics.append(ParamDiagnostics(names[k], tuple(params[k].shape), step_lr, err, r))
+            p = job.params[j]
+            self.diagnostics.append(ParamDiagnostics(job.names[j], tuple(p.shape), step_lr, err, r))

@@ -1,0 +1,130 @@
+"""Muon on Lightning's DDP strategy (2 CPU processes, gloo): split Newton-Schulz work, same result as 1 process."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_muon import Muon, MuonMixin
+from lightning_muon.distributed import assign_owners
+from lightning_muon.newton_schulz import zeropower_via_newtonschulz
+
+#: 2 ranks x batch 4 and 1 process x batch 8 differ only in float32 summation order; fp32 Newton-Schulz
+#: keeps 10 updates of that within this.
+TOLERANCE = 1e-4
+
+
+class Net(L.LightningModule):
+    """Hidden matrices 16x8, 16x16 (twice: a batched job) and 24x16 on Muon; an optional sometimes-unused layer."""
+
+    def __init__(self, batch_size: int = 8, unused_every: int = 0) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.unused_every = unused_every
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+            nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 1),
+        )
+        self.sometimes = nn.Linear(16, 16, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net[:6](x)
+        if self.unused_every and batch_idx % self.unused_every == 0:
+            h = h + torch.tanh(self.sometimes(h))
+        return nn.functional.mse_loss(self.net[6:](h), y)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(128, 8, generator=g)
+        data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+
+
+class MuonNet(MuonMixin, Net):
+    pass
+
+
+class SaveEveryRank(L.Callback):
+    """Each rank writes its final parameters and its optimizers' exchange counters."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        muon = pl_module.optimizers()[0].optimizer
+        state = {
+            "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+            "exchange_bytes": muon.last_exchange_bytes,
+            "world": dist.get_world_size() if dist.is_initialized() else 1,
+        }
+        torch.save(state, self.directory / f"rank{trainer.global_rank}.pt")
+
+
+def train(tmp_path: Path, devices: int, split_ns: bool = True, unused_every: int = 0, steps: int = 10) -> list[dict]:
+    muon = functools.partial(Muon, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32, split_ns=split_ns)
+    torch.manual_seed(0)
+    model = MuonNet(batch_size=8 // devices, unused_every=unused_every, muon=muon,
+                    muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
+    kwargs = {"strategy": DDPStrategy(start_method="spawn", process_group_backend="gloo",
+                                      find_unused_parameters=True)} if devices > 1 else {}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[SaveEveryRank(tmp_path)], **kwargs,
+    )
+    trainer.fit(model)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(devices)]
+
+
+@pytest.mark.parametrize("split_ns", [True, False], ids=["split", "not-split"])
+def test_two_ranks_with_half_batches_equal_one_process(tmp_path, split_ns):
+    (single,) = train(tmp_path / "one", devices=1)
+    rank0, rank1 = train(tmp_path / "two", devices=2, split_ns=split_ns)
+    for name, p in single["params"].items():
+        assert torch.equal(rank0["params"][name], rank1["params"][name]), f"{name} differs between ranks"
+        torch.testing.assert_close(rank0["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
+    sent = [rank0["exchange_bytes"], rank1["exchange_bytes"]]
+    if split_ns:
+        # fp32 updates of 16x8, 2 x 16x16, 24x16 (`sometimes` had no gradient on the last step):
+        # each rank sent only its share, together exactly one copy.
+        assert sum(sent) == 4 * (16 * 8 + 2 * 16 * 16 + 24 * 16) and min(sent) > 0
+    else:
+        assert sent == [0, 0]
+
+
+def test_a_parameter_without_gradient_on_some_steps_does_not_hang_or_diverge(tmp_path):
+    (single,) = train(tmp_path / "one", devices=1, unused_every=3)
+    rank0, rank1 = train(tmp_path / "two", devices=2, unused_every=3)
+    for name, p in single["params"].items():
+        assert torch.equal(rank0["params"][name], rank1["params"][name]), name
+        torch.testing.assert_close(rank0["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
+
+
+def test_owner_assignment_balances_flops_deterministically():
+    costs = [9.0, 1.0, 8.0, 2.0, 7.0]
+    owners = assign_owners(costs, 2)
+    assert owners == assign_owners(costs, 2)
+    # Largest first, each to the least-loaded rank: 9 -> 0, 8 -> 1, 7 -> 1, 2 -> 0, 1 -> 0.
+    assert owners == [0, 0, 1, 0, 1]
+    assert [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)] == [12.0, 15.0]
+    assert assign_owners(costs, 1) == [0] * 5
+
+
+def test_orthogonalising_a_shard_is_not_orthogonalising_the_matrix():
+    """Why FSDP2 gathers whole matrices: Newton-Schulz of each row shard differs from the full one."""
+    g = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    full = zeropower_via_newtonschulz(g, dtype=torch.float32)
+    per_shard = torch.cat([zeropower_via_newtonschulz(s, dtype=torch.float32) for s in g.chunk(2)])
+    relative = (per_shard - full).norm() / full.norm()
+    assert relative > 0.1, relative
