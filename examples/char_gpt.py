@@ -159,6 +159,17 @@ class GPT(L.LightningModule):
         self.log("val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True)
         self.log("val_bpb", loss / math.log(2), on_epoch=True, sync_dist=True)
 
+    def configure_model(self) -> None:
+        """Under ``ModelParallelStrategy`` (FSDP2), shard every block and then the whole model."""
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW on every parameter: used by `GPT` alone, never by `CharGPT` (the mixin brings its own pair)."""
         return torch.optim.AdamW(self.parameters(), lr=1e-3, betas=(0.9, 0.95))
@@ -167,7 +178,7 @@ class GPT(L.LightningModule):
         metrics = self.trainer.callback_metrics
         if "val_loss" in metrics:
             self.print(
-                f"{type(self).__name__}: val_loss {float(metrics['val_loss']):.4f}, "
+                f"{type(self).__name__.removeprefix("FSDP")}: val_loss {float(metrics['val_loss']):.4f}, "
                 f"val_bpb {float(metrics['val_bpb']):.4f} after {self.trainer.global_step} steps"
             )
 

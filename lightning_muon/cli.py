@@ -2,12 +2,15 @@
 
     lightning-muon fit --config configs/gpt_muon.yaml
     lightning-muon inspect --config configs/gpt_muon.yaml     # the routing table, no training
+    lightning-muon compare configs/gpt_muon.yaml configs/gpt_adamw.yaml   # fit both, plot and tabulate
 
 Subcommands ``fit``, ``validate``, ``test`` and ``predict`` are LightningCLI's
 (any LightningModule and LightningDataModule by ``class_path``; ``--optimizer``
 is not offered, since it would silently replace the mixin's pair).
 ``inspect`` instantiates the model from the same config and prints the
 routing: parameter, shape, optimizer, reason and effective learning rate.
+``compare`` fits several configs and compares their validation loss by step
+and by wall-clock time (`lightning_muon.compare`).
 
 ``lightning`` is the same command. The separate ``lightning-sdk`` package
 installs a ``lightning`` command of its own for its cloud commands: given a
@@ -34,12 +37,14 @@ from lightning_muon.routing import MUON, Route
 
 __all__ = ["MuonCLI", "main"]
 
-SUBCOMMANDS = ("fit", "validate", "test", "predict", "inspect")
+SUBCOMMANDS = ("fit", "validate", "test", "predict", "inspect", "compare")
 
 DESCRIPTION = (
     "Train LightningModules with Muon (hidden matrices) + AdamW (the rest). "
     "Subcommands: fit, validate, test, predict (LightningCLI's) and inspect "
-    "(print a config's parameter routing without training: lightning-muon inspect --config FILE)."
+    "(print a config's parameter routing without training: lightning-muon inspect --config FILE) and compare "
+    "(fit several configs, then plot and tabulate their validation loss by step and by wall-clock time: "
+    "lightning-muon compare CONFIG CONFIG [--out DIR]; see lightning-muon compare --help)."
 )
 
 
@@ -163,6 +168,11 @@ def main(args: Sequence[str] | None = None) -> None:
     command = argv[0] if argv else None
     if command == "inspect":
         inspect_config(_expand_configs(argv[1:]))
+        return
+    if command == "compare":
+        from lightning_muon.compare import main as compare  # matplotlib and friends only when comparing
+
+        compare(argv[1:])
         return
     if command is not None and not command.startswith("-") and command not in SUBCOMMANDS:
         if importlib.util.find_spec("lightning_sdk") is not None:

@@ -13,7 +13,7 @@ from lightning_muon.cli import config_chain, main
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
-DISTRIBUTED = {"gpt_muon_ddp.yaml"}
+DISTRIBUTED = {"gpt_muon_ddp.yaml", "gpt_muon_fsdp2.yaml"}
 FAST = ["--trainer.fast_dev_run", "2", "--trainer.enable_progress_bar", "false"]
 
 
@@ -27,7 +27,7 @@ def _in_repository_root(monkeypatch, tmp_path):
 def test_every_shipped_config_is_tested():
     names = {p.name for p in CONFIGS}
     assert {"gpt_muon.yaml", "gpt_adamw.yaml", "gpt_muon_ddp.yaml", "gpt_torch_muon.yaml", "cnn_muon.yaml",
-            "existing_module_muon.yaml"} <= names
+            "existing_module_muon.yaml", "gpt_muon_fsdp2.yaml"} <= names
 
 
 @pytest.mark.parametrize("config", [p for p in CONFIGS if p.name not in DISTRIBUTED], ids=lambda p: p.name)

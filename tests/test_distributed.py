@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -14,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_muon import Muon, MuonMixin
-from lightning_muon.distributed import assign_owners
+from lightning_muon.distributed import assign_owners, is_dtensor
 from lightning_muon.newton_schulz import zeropower_via_newtonschulz
 
 #: 2 ranks x batch 4 and 1 process x batch 8 differ only in float32 summation order; fp32 Newton-Schulz
@@ -64,16 +66,20 @@ class SaveEveryRank(L.Callback):
     def on_train_end(self, trainer, pl_module):
         muon = pl_module.optimizers()[0].optimizer
         state = {
-            "params": {n: p.detach().clone() for n, p in pl_module.named_parameters()},
+            "params": {n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in pl_module.named_parameters()},
             "exchange_bytes": muon.last_exchange_bytes,
             "world": dist.get_world_size() if dist.is_initialized() else 1,
         }
         torch.save(state, self.directory / f"rank{trainer.global_rank}.pt")
 
 
+def muon_factory(split_ns: bool = True) -> functools.partial:
+    return functools.partial(Muon, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32, split_ns=split_ns)
+
+
 def train(tmp_path: Path, devices: int, split_ns: bool = True, unused_every: int = 0, steps: int = 10) -> list[dict]:
-    muon = functools.partial(Muon, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32, split_ns=split_ns)
-    torch.manual_seed(0)
+    muon = muon_factory(split_ns)
+    L.seed_everything(0)
     model = MuonNet(batch_size=8 // devices, unused_every=unused_every, muon=muon,
                     muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
     kwargs = {"strategy": DDPStrategy(start_method="spawn", process_group_backend="gloo",
@@ -128,3 +134,19 @@ def test_orthogonalising_a_shard_is_not_orthogonalising_the_matrix():
     per_shard = torch.cat([zeropower_via_newtonschulz(s, dtype=torch.float32) for s in g.chunk(2)])
     relative = (per_shard - full).norm() / full.norm()
     assert relative > 0.1, relative
+
+
+def test_fsdp2_two_ranks_equal_one_process(tmp_path):
+    """ModelParallelStrategy + fully_shard: every matrix is orthogonalised whole, so sharded training
+    matches one process (a per-shard Newton-Schulz would be off by >10%, see the test above)."""
+    (single,) = train(tmp_path / "one", devices=1, steps=6)
+    out = tmp_path / "fsdp2"
+    out.mkdir()
+    script = Path(__file__).parent / "fsdp2_run.py"
+    result = subprocess.run([sys.executable, str(script), str(out), "6"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0, rank1 = (torch.load(out / f"rank{r}.pt") for r in range(2))
+    assert rank0["world"] == 2
+    for name, p in single["params"].items():
+        assert torch.equal(rank0["params"][name], rank1["params"][name]), name
+        torch.testing.assert_close(rank0["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
