@@ -178,7 +178,7 @@ class GPT(L.LightningModule):
         metrics = self.trainer.callback_metrics
         if "val_loss" in metrics:
             self.print(
-                f"{type(self).__name__.removeprefix("FSDP")}: val_loss {float(metrics['val_loss']):.4f}, "
+                f"{type(self).__name__.removeprefix('FSDP')}: val_loss {float(metrics['val_loss']):.4f}, "
                 f"val_bpb {float(metrics['val_bpb']):.4f} after {self.trainer.global_step} steps"
             )
 

@@ -41,8 +41,8 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict", "inspect", "compare")
 
 DESCRIPTION = (
     "Train LightningModules with Muon (hidden matrices) + AdamW (the rest). "
-    "Subcommands: fit, validate, test, predict (LightningCLI's) and inspect "
-    "(print a config's parameter routing without training: lightning-muon inspect --config FILE) and compare "
+    "Subcommands: fit, validate, test, predict (LightningCLI's); inspect "
+    "(print a config's parameter routing without training: lightning-muon inspect --config FILE); compare "
     "(fit several configs, then plot and tabulate their validation loss by step and by wall-clock time: "
     "lightning-muon compare CONFIG CONFIG [--out DIR]; see lightning-muon compare --help)."
 )
