@@ -545,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         parser.error("give at least one CONFIG to fit, or --from-logs DIR")
     if args.val_points < 1 or (args.max_steps is not None and args.max_steps < 1):
         parser.error("--val_points and --max_steps must be >= 1")
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # the whole table when piped
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_root = out / "lightning_logs"  # a name .gitignore files usually ignore

@@ -150,3 +150,77 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     for name, p in single["params"].items():
         assert torch.equal(rank0["params"][name], rank1["params"][name]), name
         torch.testing.assert_close(rank0["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
+
+
+class CountGradientSyncs(L.Callback):
+    """Counts DDP's gradient all-reduces (a comm hook) and saves the count with the rank's parameters."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.calls = 0
+
+    def on_train_start(self, trainer, pl_module):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        def hook(state, bucket):
+            self.calls += 1
+            return default_hooks.allreduce_hook(state, bucket)
+
+        trainer.strategy.model.register_comm_hook(None, hook)
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.calls, self.directory / f"syncs{trainer.global_rank}.pt")
+
+
+def test_accumulation_syncs_gradients_only_on_the_last_micro_batch(tmp_path):
+    (single,) = train(tmp_path / "one", devices=1, steps=4)
+    L.seed_everything(0)
+    model = MuonNet(batch_size=2, muon=muon_factory(), accumulate_grad_batches=2,
+                    muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
+    out = tmp_path / "two"
+    out.mkdir()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo", find_unused_parameters=True),
+        callbacks=[SaveEveryRank(out), CountGradientSyncs(out)],
+    )
+    trainer.fit(model)
+    # 4 updates of 2 micro-batches: one all-reduce per update (the model fits in one DDP bucket).
+    assert [torch.load(out / f"syncs{r}.pt") for r in range(2)] == [4, 4]
+    rank0, rank1 = (torch.load(out / f"rank{r}.pt") for r in range(2))
+    for name, p in single["params"].items():
+        assert torch.equal(rank0["params"][name], rank1["params"][name]), name
+        torch.testing.assert_close(rank0["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
+
+
+class SaveCheckpointAtEnd(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+
+
+def test_ddp_resume_from_an_epoch_boundary_equals_the_uninterrupted_run(tmp_path):
+    def fit(out: Path, epochs: int, ckpt_path: Path | None = None, save: Path | None = None) -> None:
+        L.seed_everything(0)
+        model = MuonNet(batch_size=4, muon=muon_factory(), muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
+        out.mkdir(parents=True)
+        callbacks = [SaveEveryRank(out)] + ([SaveCheckpointAtEnd(save)] if save else [])
+        trainer = L.Trainer(
+            accelerator="cpu", devices=2, max_epochs=epochs, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+            strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo", find_unused_parameters=True),
+        )
+        trainer.fit(model, ckpt_path=ckpt_path)
+
+    checkpoint = tmp_path / "epoch1.ckpt"
+    fit(tmp_path / "straight", epochs=2)
+    fit(tmp_path / "first", epochs=1, save=checkpoint)
+    fit(tmp_path / "resumed", epochs=2, ckpt_path=checkpoint)
+    straight = torch.load(tmp_path / "straight" / "rank0.pt")["params"]
+    for r in range(2):
+        resumed = torch.load(tmp_path / "resumed" / f"rank{r}.pt")["params"]
+        for name, p in straight.items():
+            assert torch.equal(resumed[name], p), f"rank {r}: {name}"
