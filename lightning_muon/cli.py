@@ -184,4 +184,10 @@ def main(args: Sequence[str] | None = None) -> None:
         )
         raise SystemExit(2)
     expanded = _expand_configs(argv)
-    MuonCLI(args=None if args is None and expanded == argv else expanded)
+    if args is None:
+        # The command line itself becomes the expanded one: Lightning's DDP launcher re-runs sys.argv
+        # for the other ranks, and LightningCLI reads it without a warning about explicit args.
+        sys.argv = [sys.argv[0], *expanded]
+        MuonCLI()
+    else:
+        MuonCLI(args=expanded)

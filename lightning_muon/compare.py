@@ -55,18 +55,25 @@ from rich.table import Table
 from lightning_muon.cli import config_chain
 
 __all__ = [
+    "CLOCK",
     "Row",
     "Run",
     "baseline_index",
+    "find_metrics",
     "fit_arguments",
     "load_run",
     "main",
     "markdown_report",
+    "markdown_table",
     "merged_config",
     "plot_comparison",
     "read_metrics",
+    "rich_table",
+    "split_overrides",
     "steps_to_reach",
     "summarize",
+    "table_cells",
+    "uses_muon",
     "val_check_interval",
 ]
 
@@ -536,7 +543,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> list[Row]:
-    """``lightning-muon compare``: fit, read the logs, write ``comparison.png`` and ``comparison.md``, print the table."""
+    """``lightning-muon compare``: fit, read the logs, write ``comparison.png`` and ``.md``, print the table."""
     argv = list(sys.argv[2:] if argv is None else argv)
     own, overrides = split_overrides(argv)
     parser = _parser()

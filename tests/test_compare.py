@@ -1,4 +1,4 @@
-"""``lightning-muon compare``: reading logs, the table, the fit arguments, WallClock, and one real run of the command."""
+"""``lightning-muon compare``: reading logs, the table, fit arguments, WallClock, one real run of the command."""
 
 from __future__ import annotations
 
@@ -280,3 +280,18 @@ def test_compare_two_tiny_configs_end_to_end(tmp_path, monkeypatch, capsys):
           "--out", str(again)])
     assert (again / "comparison.png").is_file()
     assert (again / "comparison.md").read_text().split("\n\n")[1] == report.split("\n\n")[1]  # the same table
+
+
+def test_compare_needs_configs_or_logs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare"])
+    assert exit_info.value.code == 2
+    assert "give at least one CONFIG to fit, or --from-logs DIR" in capsys.readouterr().err
+
+
+def test_compare_stops_on_a_failed_fit_naming_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"# extends: {ROOT / 'configs' / 'gpt_muon.yaml'}\nmodel:\n  init_args: {{n_layr: 1}}\n")
+    with pytest.raises(SystemExit, match=r"the fit of .*bad\.yaml failed \(exit code [1-9]"):
+        main(["compare", str(bad), "--out", str(tmp_path / "out")])
