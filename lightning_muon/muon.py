@@ -212,6 +212,7 @@ class Muon(Optimizer):
         self.split_ns = split_ns
         #: Bytes this rank sent in the last split step's exchange (0 when not split).
         self.last_exchange_bytes = 0
+        self._exchange_buffers: dict = {}
         self._diagnose: Callable[[Tensor], bool] | None = None
         #: What the last step that recorded diagnostics did, one entry per diagnosed matrix.
         self.diagnostics: list[ParamDiagnostics] = []
@@ -248,6 +249,7 @@ class Muon(Optimizer):
         self.__dict__.setdefault("_diagnose", None)
         self.__dict__.setdefault("split_ns", True)
         self.__dict__.setdefault("last_exchange_bytes", 0)
+        self.__dict__.setdefault("_exchange_buffers", {})
         self.__dict__.setdefault("diagnostics", [])
 
     def effective_lr(self, param: Tensor) -> float:
@@ -329,26 +331,27 @@ class Muon(Optimizer):
 
     def _step_split(self, jobs: list[_Job], world: World, diagnose: Callable[[Tensor], bool] | None) -> None:
         """Each rank orthogonalises its share of the jobs; the results are all-gathered; all apply all."""
-        updates = [self._momentum(job) for job in jobs]
         owners = assign_owners([ns_flops(*job.shape) * len(job.params) for job in jobs], world.size)
-        local = {
-            j: self._orthogonalise(job.group, updates[j], job.shape)
-            for j, job in enumerate(jobs)
-            if owners[j] == world.rank
-        }
-        del updates
+        local = {}
+        for j, job in enumerate(jobs):
+            if owners[j] == world.rank:
+                local[j] = self._orthogonalise(job.group, self._momentum(job), job.shape)
+            else:  # every rank keeps every momentum buffer; only the owner needs the update itself
+                self._momentum(job, update=False)
         layouts = [(len(job.params), job.shape, job.group["ns_dtype"]) for job in jobs]
         device = jobs[0].params[0].device if jobs else torch.device("cpu")
-        gathered = exchange(local, owners, layouts, world, device)
+        gathered = exchange(local, owners, layouts, world, device, self._exchange_buffers)
         self.last_exchange_bytes = int(sum(t.numel() * t.element_size() for ts in local.values() for t in ts))
         for job, orthogonal in zip(jobs, gathered):
             self._apply(job, orthogonal, diagnose)
 
     @staticmethod
-    def _momentum(job: _Job) -> list[Tensor]:
+    def _momentum(job: _Job, update: bool = True) -> list[Tensor]:
         """Update the momentum buffers; return the tensors to orthogonalise (Nesterov or the buffers)."""
         momentum = job.group["momentum"]
         torch._foreach_lerp_(job.bufs, job.grads, 1 - momentum)
+        if not update:
+            return []
         # A fresh tensor when nesterov; otherwise the buffer itself, which Newton-Schulz only reads
         # (it copies into ns_dtype first).
         return torch._foreach_lerp(job.grads, job.bufs, momentum) if job.group["nesterov"] else job.bufs
