@@ -1,0 +1,21 @@
+"""Shared test setup."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _fresh_master_port(monkeypatch):
+    """A free port for each test's process group.
+
+    Lightning stores the port it picks in ``os.environ["MASTER_PORT"]`` and reuses it for every later
+    DDP run in the same process, where the previous run's socket may still be closing: flaky aborts.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
