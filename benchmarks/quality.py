@@ -62,13 +62,15 @@ ADAMW_LR = "--model.init_args.adamw.init_args.lr"
 
 #: Settings of each mode: steps per GPT run, lrs swept per side, seeds at the best lr, CNN lrs and seeds.
 MODES = {
-    "quick": dict(steps=150, val_points=10, muon_lrs=[0.02, 0.04], adamw_lrs=[0.006, 0.012], seeds=2,
+    "quick": dict(steps=150, val_points=6, muon_lrs=[0.02, 0.04], adamw_lrs=[0.006, 0.012], seeds=2,
                   cnn_adamw_lrs=[0.003, 0.01], cnn_seeds=3),
     "full": dict(steps=300, val_points=12, muon_lrs=[0.01, 0.02, 0.04, 0.08], adamw_lrs=[0.003, 0.006, 0.01, 0.02],
                  seeds=3, cnn_adamw_lrs=[0.001, 0.003, 0.01], cnn_seeds=3),
 }
 #: The issue's targets: Muon reaches the tuned AdamW's final val loss within these fractions of its steps and time.
 TARGET_STEPS, TARGET_TIME = 0.5, 0.6
+#: torch threads of every fit (``--threads``); None: torch's default (one per core).
+THREADS: int | None = None
 
 
 # ------------------------------------------------------------------------------------------------- char_gpt
@@ -101,9 +103,12 @@ def fit_gpt(console: Console, side: Side, lr: float, seed: int, steps: int, val_
     shutil.rmtree(log_root / name, ignore_errors=True)
     log_root.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    env = dict(os.environ)
+    if THREADS is not None:
+        env["OMP_NUM_THREADS"] = str(THREADS)
     with open(log_root / f"{name}.out", "w") as out:
         result = subprocess.run([sys.executable, "-m", "lightning_muon", "fit", *args], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, env=env)
     if result.returncode != 0:
         raise SystemExit(f"quality: {name} failed (exit {result.returncode}); see {log_root / f'{name}.out'}; "
                          f"command: lightning-muon fit {shlex.join(args)}")
@@ -293,7 +298,8 @@ def machine_line(load_before: tuple[float, float, float] | None) -> str:
         after = os.getloadavg()
         load = (f"; load average (1/5/15 min) {' '.join(f'{x:.2f}' for x in load_before)} before, "
                 f"{' '.join(f'{x:.2f}' for x in after)} after (other work shared the machine: times are noisy)")
-    return (f"{os.cpu_count()} CPU cores ({torch.get_num_threads()} torch threads), {platform.platform(terse=True)}, "
+    threads = THREADS if THREADS is not None else torch.get_num_threads()
+    return (f"{os.cpu_count()} CPU cores ({threads} torch thread{'s' if threads != 1 else ''} a run), {platform.platform(terse=True)}, "
             f"Python {platform.python_version()}, torch {torch.__version__} (CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}), lightning {lightning.__version__}{load}; "
             f"{datetime.date.today().isoformat()}")
@@ -320,8 +326,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--muon-lrs", type=float, nargs="+", help="Muon lrs to sweep (default: the mode's)")
     parser.add_argument("--adamw-lrs", type=float, nargs="+", help="AdamW-only lrs to sweep (default: the mode's)")
     parser.add_argument("--no-cnn", action="store_true", help="skip digits_cnn")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per fit (OMP_NUM_THREADS; default: torch's, one per core). 1 keeps runs "
+                             "steady when other work shares the cores")
     parser.add_argument("--logs", default=None, help="where the runs' logs go (default: a lightning_logs dir)")
     args = parser.parse_args(argv)
+    global THREADS
+    THREADS = args.threads
+    if THREADS is not None:
+        import torch
+
+        torch.set_num_threads(THREADS)  # the in-process digits_cnn fits
     mode = "quick" if args.quick else "full"
     cfg = dict(MODES[mode])
     for key in ("steps", "seeds", "muon_lrs", "adamw_lrs"):
