@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["describe", "resolve", "target_class"]
+__all__ = ["describe", "plain_data", "resolve", "target_class"]
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -39,6 +39,18 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def plain_data(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``values`` with torch dtypes spelled by name, and the keys whose values are not plain data left out."""
+    kept, dropped = {}, []
+    for key, value in values.items():
+        value = _plain_value(value) if not isinstance(value, dict) else plain_data(value)[0]
+        if _is_plain(value):
+            kept[key] = value
+        else:
+            dropped.append(key)
+    return kept, dropped
 
 
 def _path(obj: Any) -> str:

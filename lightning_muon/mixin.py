@@ -32,7 +32,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_muon.factories import describe, resolve, target_class
+from lightning_muon.factories import describe, plain_data, resolve, target_class
 from lightning_muon.muon import Muon
 from lightning_muon.routing import ADAMW, MUON, Routing, route_parameters
 
@@ -179,8 +179,16 @@ class MuonMixin:
         # Hyperparameters: what the parent saved (if it did), plus this constructor's arguments as plain
         # data, including those forwarded to the parent (or LightningCLI's config, when it built the model).
         saved_by_parent = dict(self.hparams)
-        self.save_hyperparameters()
-        self.save_hyperparameters({**saved_by_parent, **self.hparams, **self._muon_settings_for_hparams()})
+        if not saved_by_parent:  # the parent chose nothing (if it did, its `ignore=` choices stand)
+            self.save_hyperparameters()
+        hparams, dropped = plain_data({**saved_by_parent, **self.hparams, **self._muon_settings_for_hparams()})
+        if dropped:
+            rank_zero_warn(
+                f"MuonMixin left {sorted(dropped)} out of the saved hyperparameters: they are not plain data, and "
+                "checkpoints must load with weights_only=True. Pass plain values (or specs) instead."
+            )
+        self.hparams.clear()  # save_hyperparameters(dict) updates: start from the plain set alone
+        self.save_hyperparameters(hparams)
         #: Updates skipped because of non-finite gradients (16-mixed overflows included), and in a row.
         self.skipped_updates = 0
         self._consecutive_skips = 0
@@ -231,7 +239,13 @@ class MuonMixin:
         for optimizer in optimizers:
             scheduler = factory(optimizer)
             if getattr(scheduler, "total_steps", 0) is None:
-                scheduler.total_steps = int(self.trainer.estimated_stepping_batches)
+                total = self.trainer.estimated_stepping_batches
+                if not math.isfinite(total):
+                    raise MisconfigurationException(
+                        f"{type(scheduler).__name__} needs the length of the fit, which is unbounded here: set "
+                        "Trainer(max_steps=...) or max_epochs, or give the scheduler total_steps=..."
+                    )
+                scheduler.total_steps = int(total)
             schedulers.append({"scheduler": scheduler, "interval": "step"})
         return optimizers, schedulers
 
@@ -337,6 +351,12 @@ class MuonMixin:
 
     def _loss_of(self, output: Any) -> torch.Tensor | None:
         if output is None:
+            if self.trainer.world_size > 1:
+                raise MisconfigurationException(
+                    "training_step returned None on a run with several processes: skipping the batch on one "
+                    "rank would leave the others waiting for its gradients (or drifting apart). Return "
+                    "`loss * 0` to skip a batch under DDP/FSDP."
+                )
             if not self._warned_none:
                 rank_zero_warn("training_step returned None: MuonMixin skips that batch (no backward, no update).")
                 self._warned_none = True
@@ -369,14 +389,14 @@ class MuonMixin:
                 call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
             params = [p for o in optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
             grads = [p.grad for p in params]
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
             if not bool(torch.isfinite(norm)) and all(bool(torch.isfinite(g).all()) for g in grads):
                 # Every element is finite but the norm overflowed its dtype (fp16 past 65504): recompute.
-                norm = torch.nn.utils.get_total_norm([g.double() for g in grads], foreach=True)
+                norm = torch.nn.utils.get_total_norm([g.double() for g in grads])
             if bool(torch.isfinite(norm)):
                 clip = self._muon_settings["gradient_clip_val"]
                 if clip is not None:
-                    torch.nn.utils.clip_grads_with_norm_(params, clip, norm, foreach=True)
+                    torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
                 for optimizer in optimizers:  # already unscaled and checked: the scaler has nothing to add
                     optimizer.step()
                 self._consecutive_skips = 0
@@ -435,6 +455,9 @@ class MuonMixin:
             then, now = set(saved["routing"][optimizer]), set(current[optimizer])
             differences += [f"  {name}: was on {optimizer}, not now" for name in sorted(then - now)]
             differences += [f"  {name}: now on {optimizer}, was not" for name in sorted(now - then)]
+            if then == now and saved["routing"][optimizer] != current[optimizer]:
+                # Optimizer state is matched to parameters by position: the order matters too.
+                differences.append(f"  {optimizer}: the same parameters in a different order")
         if differences:
             raise MisconfigurationException(
                 "This checkpoint's optimizer states were saved with a different routing, so they would be "

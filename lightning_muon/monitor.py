@@ -123,7 +123,8 @@ class MuonMonitor(Callback):
         self._optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
         self._keys = lr_keys(self._optimizers)
         self._muon = [o for o in self._optimizers if _is_muon(o)]
-        if not self._muon:
+        if not self._muon and getattr(pl_module, "_muon_factories", {}).get("muon", 1) is not None:
+            # (no warning for MuonMixin's muon=None baseline, where no Muon is the point)
             rank_zero_warn(
                 "MuonMonitor found no Muon optimizer (lightning_muon.Muon or torch.optim.Muon), so it logs "
                 "learning rates only. Train with MuonMixin (muon=...) to see Muon's diagnostics."

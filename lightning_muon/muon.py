@@ -110,6 +110,16 @@ class _Job(NamedTuple):
     shape: tuple[int, int]
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _ns_dtype(group: dict[str, Any]) -> torch.dtype:
+    """A group's Newton-Schulz dtype (stored by name; a torch.dtype from older state dicts works too)."""
+    dtype = group["ns_dtype"]
+    return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype.removeprefix("torch."))
+
+
 def _scalar(x: float | Tensor) -> float:
     return x.item() if isinstance(x, Tensor) else x
 
@@ -204,7 +214,8 @@ class Muon(Optimizer):
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
-            "ns_dtype": ns_dtype,
+            # Kept by name: torch.distributed.checkpoint cannot save a torch.dtype in param groups.
+            "ns_dtype": _dtype_name(ns_dtype),
             "ns_batch_bytes": ns_batch_bytes,
         }
         #: Under DDP (an initialised process group, replicated parameters), each rank orthogonalises
@@ -244,7 +255,7 @@ class Muon(Optimizer):
         super().__setstate__(state)
         # A state dict saved by torch.optim.Muon has none of our extra keys: keep this optimizer's own.
         for group in self.param_groups:
-            group.setdefault("ns_dtype", self.defaults.get("ns_dtype", torch.bfloat16))
+            group.setdefault("ns_dtype", self.defaults.get("ns_dtype", "bfloat16"))
             group.setdefault("ns_batch_bytes", self.defaults.get("ns_batch_bytes"))
         self.__dict__.setdefault("_diagnose", None)
         self.__dict__.setdefault("split_ns", True)
@@ -331,6 +342,8 @@ class Muon(Optimizer):
 
     def _step_split(self, jobs: list[_Job], world: World, diagnose: Callable[[Tensor], bool] | None) -> None:
         """Each rank orthogonalises its share of the jobs; the results are all-gathered; all apply all."""
+        if not jobs:  # the same on every rank: which parameters have gradients was agreed above
+            return
         owners = assign_owners([ns_flops(*job.shape) * len(job.params) for job in jobs], world.size)
         local = {}
         for j, job in enumerate(jobs):
@@ -338,8 +351,8 @@ class Muon(Optimizer):
                 local[j] = self._orthogonalise(job.group, self._momentum(job), job.shape)
             else:  # every rank keeps every momentum buffer; only the owner needs the update itself
                 self._momentum(job, update=False)
-        layouts = [(len(job.params), job.shape, job.group["ns_dtype"]) for job in jobs]
-        device = jobs[0].params[0].device if jobs else torch.device("cpu")
+        layouts = [(len(job.params), job.shape, _ns_dtype(job.group)) for job in jobs]
+        device = jobs[0].params[0].device
         gathered = exchange(local, owners, layouts, world, device, self._exchange_buffers)
         self.last_exchange_bytes = int(sum(t.numel() * t.element_size() for ts in local.values() for t in ts))
         for job, orthogonal in zip(jobs, gathered):
@@ -395,7 +408,7 @@ class Muon(Optimizer):
             cap = group["ns_batch_bytes"]
             if cap is None:
                 cap = _DEFAULT_BATCH_BYTES.get(device.type, _DEFAULT_BATCH_BYTES_ACCELERATOR)
-            per_matrix = math.prod(shape) * group["ns_dtype"].itemsize
+            per_matrix = math.prod(shape) * _ns_dtype(group).itemsize
             per_call = max(1, cap // per_matrix)
             buckets.extend(ks[i : i + per_call] for i in range(0, len(ks), per_call))
         return buckets
@@ -406,7 +419,7 @@ class Muon(Optimizer):
             "ns_coefficients": group["ns_coefficients"],
             "ns_steps": group["ns_steps"],
             "eps": group["eps"],
-            "dtype": group["ns_dtype"],
+            "dtype": _ns_dtype(group),
         }
         if len(updates) == 1 and is_dtensor(updates[0]):
             # FSDP2: Newton-Schulz needs the whole matrix, never a shard. Gather it, orthogonalise,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import io
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,11 +122,11 @@ class Routing:
 
 
 def _is_norm(module: nn.Module) -> bool:
-    """Norm layers by type: torch's own, and custom ones named ``*Norm*`` (``RMSNorm``, ``LayerNorm``...)."""
+    """Norm layers by type: torch's own, and custom classes named ``...Norm`` (``RMSNorm``, ``LayerNorm``...)."""
     torch_norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
     if hasattr(nn, "RMSNorm"):
         torch_norms += (nn.RMSNorm,)
-    return isinstance(module, torch_norms) or "norm" in type(module).__name__.lower()
+    return isinstance(module, torch_norms) or re.search(r"Norm(\dd)?$", type(module).__name__) is not None
 
 
 def _in_repeated_block(name: str, modules: dict[str, nn.Module]) -> bool:

@@ -11,7 +11,7 @@ __all__ = ["WarmupCosine"]
 
 
 class WarmupCosine(LambdaLR):
-    """Linear warmup from 0, then a cosine decay to ``min_lr_ratio`` times each group's base lr.
+    """Linear warmup (``lr * k / warmup_steps`` on update ``k``), then a cosine decay to ``min_lr_ratio`` x lr.
 
     Args:
         optimizer: the optimizer.

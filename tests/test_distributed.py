@@ -224,3 +224,19 @@ def test_ddp_resume_from_an_epoch_boundary_equals_the_uninterrupted_run(tmp_path
         resumed = torch.load(tmp_path / "resumed" / f"rank{r}.pt")["params"]
         for name, p in straight.items():
             assert torch.equal(resumed[name], p), f"rank {r}: {name}"
+
+
+class NoneOnSecondBatch(MuonNet):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+
+def test_none_loss_under_ddp_is_refused_rather_than_hanging(tmp_path):
+    model = NoneOnSecondBatch(batch_size=4, muon=muon_factory())
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo", find_unused_parameters=True),
+    )
+    with pytest.raises(Exception, match=r"Return `loss \* 0` to skip a batch"):
+        trainer.fit(model)

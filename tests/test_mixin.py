@@ -279,3 +279,38 @@ def test_hyperparameters_are_plain_data(tmp_path):
         "init_args": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01},
     }
     json.dumps(dict(model.hparams))  # nothing but plain data
+
+
+def test_routing_order_differences_are_refused():
+    model = MuonRegression()
+    names = model._optimizer_names()
+    checkpoint = {
+        "lightning_muon": {
+            "routing": {"Muon": names["Muon"][::-1], "AdamW": names["AdamW"]},
+            "skipped_updates": 0,
+            "consecutive_skips": 0,
+            "micro_batches": 0,
+        }
+    }
+    with pytest.raises(Exception, match="Muon: the same parameters in a different order"):
+        model.on_load_checkpoint(checkpoint)
+
+
+def test_non_plain_constructor_arguments_are_left_out_of_hparams_with_a_warning():
+    class WithBackbone(Regression):
+        def __init__(self, backbone: nn.Module | None = None, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.backbone = backbone
+
+    class MuonWithBackbone(MuonMixin, WithBackbone):
+        pass
+
+    with pytest.warns(UserWarning, match=r"left \['backbone'\] out of the saved hyperparameters"):
+        model = MuonWithBackbone(backbone=nn.Linear(2, 2), batch_size=4)
+    assert "backbone" not in model.hparams and model.hparams["batch_size"] == 4
+
+
+def test_a_schedule_needing_the_fit_length_on_an_unbounded_fit_is_an_actionable_error(tmp_path):
+    model = MuonRegression(lr_scheduler=functools.partial(WarmupCosine, warmup_steps=2))
+    with pytest.raises(Exception, match=r"set Trainer\(max_steps=...\) or max_epochs"):
+        trainer(tmp_path, max_epochs=-1, logger=False).fit(model)

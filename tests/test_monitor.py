@@ -277,9 +277,19 @@ def test_no_logger_is_an_actionable_error(tmp_path):
 
 
 def test_no_muon_optimizer_warns_and_logs_learning_rates(tmp_path):
+    class PlainAdamW(Regression):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
     with pytest.warns(UserWarning, match="found no Muon optimizer"):
-        rows = fit(tmp_path, MuonRegression(muon=None), MuonMonitor(log_every_n_steps=2), max_steps=2)
+        rows = fit(tmp_path, PlainAdamW(), MuonMonitor(log_every_n_steps=2), max_steps=2)
+    assert logged(rows) == {1: {"lr-AdamW"}}
+
+
+def test_adamw_baseline_logs_learning_rates_without_a_warning(tmp_path, recwarn):
+    rows = fit(tmp_path, MuonRegression(muon=None), MuonMonitor(log_every_n_steps=2), max_steps=2)
     assert logged(rows) == {1: {"lr-AdamW/hidden", "lr-AdamW/head", "lr-AdamW/norms_and_biases"}}
+    assert not [w for w in recwarn if "found no Muon optimizer" in str(w.message)]
 
 
 def test_two_process_ddp_logs_the_same_error_as_one_process(tmp_path):

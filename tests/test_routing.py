@@ -218,3 +218,20 @@ def test_unmatched_pattern_error_shows_real_names():
     with pytest.raises(ValueError) as info:
         route_parameters(SmallCNN(), adamw_params=["stem.*"])
     assert re.search(r"such as: features\.0\.weight", str(info.value))
+
+
+def test_a_class_merely_named_like_a_norm_is_not_a_norm_layer():
+    class NormalizedLinear(nn.Linear):
+        pass
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = NormalizedLinear(8, 8)
+            self.rms = type("RMSNorm", (nn.Module,), {})()
+            self.rms.weight = nn.Parameter(torch.ones(8, 8))  # a 2D weight, still a norm's
+            self.head = nn.Linear(8, 2)
+
+    got = groups_of(route_parameters(Model()))
+    assert got["proj.weight"] == (MUON, "hidden")
+    assert got["rms.weight"] == (ADAMW, "norms_and_biases")
