@@ -143,7 +143,9 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     out = tmp_path / "fsdp2"
     out.mkdir()
     script = Path(__file__).parent / "fsdp2_run.py"
-    result = subprocess.run([sys.executable, str(script), str(out), "6"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(script), str(out), "--max-steps", "6"], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rank0, rank1 = (torch.load(out / f"rank{r}.pt") for r in range(2))
     assert rank0["world"] == 2
@@ -240,3 +242,24 @@ def test_none_loss_under_ddp_is_refused_rather_than_hanging(tmp_path):
     )
     with pytest.raises(Exception, match=r"Return `loss \* 0` to skip a batch"):
         trainer.fit(model)
+
+
+def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path):
+    script = Path(__file__).parent / "fsdp2_run.py"
+    checkpoint = tmp_path / "epoch1.ckpt"
+    runs = {
+        "straight": ["--max-epochs", "2"],
+        "first": ["--max-epochs", "1", "--save", str(checkpoint)],
+        "resumed": ["--max-epochs", "2", "--ckpt", str(checkpoint)],
+    }
+    for name, args in runs.items():
+        result = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / name), *args], capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
+    assert checkpoint.is_dir()  # sharded: torch.distributed.checkpoint, not one file
+    straight = torch.load(tmp_path / "straight" / "rank0.pt")["params"]
+    for r in range(2):
+        resumed = torch.load(tmp_path / "resumed" / f"rank{r}.pt")["params"]
+        for name, p in straight.items():
+            assert torch.equal(resumed[name], p), f"rank {r}: {name}"
