@@ -159,6 +159,14 @@ class MuonMixin:
         factories = {"muon": resolve(muon), "adamw": resolve(adamw), "lr_scheduler": resolve(lr_scheduler)}
         if factories["adamw"] is None:
             raise ValueError("adamw must be an optimizer factory; it holds every parameter that is not on Muon")
+        for name, factory in (("muon", muon), ("adamw", adamw), ("lr_scheduler", lr_scheduler)):
+            spec = describe(factory)
+            if isinstance(spec, dict) and "callable" in spec:
+                rank_zero_warn(
+                    f"MuonMixin: `{name}` ({spec['callable']}) cannot be saved as a loadable spec, so "
+                    "load_from_checkpoint will not rebuild it. Pass a class, functools.partial(cls, plain "
+                    "keywords) or a spec like {'class_path': ..., 'init_args': {...}} instead."
+                )
         # Rebind the arguments to plain data before the parent's __init__ runs: a parent calling
         # save_hyperparameters() collects these frames' locals, and checkpoints must load with weights_only.
         muon, adamw, lr_scheduler = describe(muon), describe(adamw), describe(lr_scheduler)

@@ -314,3 +314,8 @@ def test_a_schedule_needing_the_fit_length_on_an_unbounded_fit_is_an_actionable_
     model = MuonRegression(lr_scheduler=functools.partial(WarmupCosine, warmup_steps=2))
     with pytest.raises(Exception, match=r"set Trainer\(max_steps=...\) or max_epochs"):
         trainer(tmp_path, max_epochs=-1, logger=False).fit(model)
+
+
+def test_a_factory_that_cannot_be_saved_as_a_spec_is_warned_about():
+    with pytest.warns(UserWarning, match=r"`muon` \(.*<lambda>\) cannot be saved as a loadable spec"):
+        MuonRegression(muon=lambda params: Muon(params, lr=0.02))
