@@ -33,6 +33,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_muon.monitor import require_logger
+
 __all__ = ["WallClock", "count_tokens"]
 
 
@@ -116,11 +118,7 @@ class WallClock(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.loggers:
-            raise MisconfigurationException(
-                "Cannot use WallClock with a Trainer that has no logger: pass logger=CSVLogger(...) "
-                "(or any logger) to the Trainer, or remove the callback."
-            )
+        require_logger(trainer, "WallClock")
         self._reset()
         self._every = self.log_every_n_steps or trainer.log_every_n_steps
         self._start = self._now(pl_module)

@@ -66,6 +66,15 @@ def lr_keys(optimizers: list[Optimizer]) -> list[list[str]]:
     return keys
 
 
+def require_logger(trainer: pl.Trainer, callback: str) -> None:
+    """Refuse, with the fix, a logging callback on a Trainer that has no logger."""
+    if not trainer.loggers:
+        raise MisconfigurationException(
+            f"Cannot use {callback} with a Trainer that has no logger: pass logger=CSVLogger(...) "
+            "(or any logger) to the Trainer, or remove the callback."
+        )
+
+
 def _is_muon(optimizer: Optimizer) -> bool:
     return isinstance(optimizer, (Muon, torch.optim.Muon))
 
@@ -114,11 +123,7 @@ class MuonMonitor(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.loggers:
-            raise MisconfigurationException(
-                "Cannot use MuonMonitor with a Trainer that has no logger: pass logger=CSVLogger(...) "
-                "(or any logger) to the Trainer, or remove the callback."
-            )
+        require_logger(trainer, "MuonMonitor")
         self._every = self.log_every_n_steps or trainer.log_every_n_steps
         self._optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
         self._keys = lr_keys(self._optimizers)
