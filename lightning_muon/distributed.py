@@ -6,6 +6,12 @@ orthogonalises a share of the matrices (balanced by FLOPs, assigned the same
 way on every rank), the orthogonalised updates are all-gathered as flat byte
 buffers, and every rank applies every update: every rank keeps every momentum
 buffer (Lightning checkpoints rank 0) and parameters stay identical.
+
+Under FSDP2 every rank holds a row shard of each matrix (a DTensor sharded on
+dim 0), and Newton-Schulz needs the whole matrix. Each matrix gets an owner
+rank (the same FLOP-balanced assignment); one all-to-all sends every shard to
+its matrix's owner, the owner orthogonalises the whole matrix, and a second
+all-to-all sends every rank back its rows of the result. Momentum stays sharded.
 """
 
 from __future__ import annotations
@@ -18,7 +24,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["World", "replicated_world", "any_rank", "assign_owners", "exchange", "is_dtensor"]
+__all__ = [
+    "World",
+    "replicated_world",
+    "sharded_world",
+    "any_rank",
+    "assign_owners",
+    "exchange",
+    "shard_rows",
+    "gather_to_owners",
+    "scatter_from_owners",
+    "is_dtensor",
+]
 
 #: Each matrix's bytes start on this boundary in the exchange buffer, so any dtype can view them.
 _ALIGN = 8
@@ -27,6 +44,8 @@ _ALIGN = 8
 class World(NamedTuple):
     rank: int
     size: int
+    #: The process group the ranks belong to (``None``: the default group).
+    group: dist.ProcessGroup | None = None
 
 
 def is_dtensor(tensor: Tensor) -> bool:
@@ -48,10 +67,25 @@ def replicated_world(params: Sequence[Tensor]) -> World | None:
     return World(dist.get_rank(), dist.get_world_size())
 
 
-def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
-    """Element-wise OR of ``flags`` over all ranks (one small all-reduce)."""
+def sharded_world(params: Sequence[Tensor]) -> World | None:
+    """This rank, the mesh size and the mesh's process group when every parameter is a DTensor sharded on
+    dim 0 over the same 1-D device mesh of several ranks (FSDP2's layout). ``None`` otherwise."""
+    if not params or not all(is_dtensor(p) for p in params):
+        return None
+    from torch.distributed.tensor import Shard
+
+    mesh = params[0].device_mesh
+    if mesh.ndim != 1 or mesh.size() < 2:
+        return None
+    if any(p.device_mesh != mesh or tuple(p.placements) != (Shard(0),) for p in params):
+        return None
+    return World(mesh.get_local_rank(), mesh.size(), mesh.get_group())
+
+
+def any_rank(flags: list[bool], device: torch.device, group: dist.ProcessGroup | None = None) -> list[bool]:
+    """Element-wise OR of ``flags`` over all ranks of ``group`` (one small all-reduce)."""
     tensor = torch.tensor(flags, dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return [bool(x) for x in tensor.tolist()]
 
 
@@ -125,4 +159,113 @@ def exchange(
             start = offsets[rank]
             result[job].append(received[rank][start : start + nbytes].view(dtype).view(m, n))
             offsets[rank] += _padded(nbytes)
+    return result
+
+
+# ----------------------------------------------------------------- FSDP2 (row shards)
+
+
+def shard_rows(rows: int, world_size: int) -> list[int]:
+    """How many rows each rank holds of a tensor sharded on dim 0 (``torch.chunk``'s split, as DTensor's
+    ``Shard(0)``: ``ceil(rows / world)`` each, the last ones shorter or empty)."""
+    chunk = -(-rows // world_size)
+    return [max(0, min(chunk, rows - rank * chunk)) for rank in range(world_size)]
+
+
+Layout = tuple[int, tuple[int, int], torch.dtype]
+
+
+def _all_to_all(
+    pieces: list[list[Tensor]], receive: list[list[tuple[tuple[int, int], torch.dtype]]], world: World, device
+) -> list[list[Tensor]]:
+    """Send ``pieces[d]`` (matrices, any dtypes) to each rank ``d``; receive matrices of the given shapes and
+    dtypes from each rank, in the order that rank sent them. One ``all_to_all_single`` of bytes."""
+    send_sizes = [sum(_padded(p.numel() * p.element_size()) for p in row) for row in pieces]
+    receive_sizes = [sum(_padded(m * n * dtype.itemsize) for (m, n), dtype in row) for row in receive]
+    send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
+    offset = 0
+    for row in pieces:
+        for piece in row:
+            nbytes = piece.numel() * piece.element_size()
+            send[offset : offset + nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
+            offset += _padded(nbytes)
+    received = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=world.group)
+    result, offset = [], 0
+    for row in receive:
+        result.append([])
+        for (m, n), dtype in row:
+            nbytes = m * n * dtype.itemsize
+            result[-1].append(received[offset : offset + nbytes].view(dtype).view(m, n))
+            offset += _padded(nbytes)
+    return result
+
+
+def gather_to_owners(
+    shards: Sequence[Sequence[Tensor]], owners: Sequence[int], layouts: Sequence[Layout], world: World
+) -> dict[int, Tensor]:
+    """Send every rank's row shards of each job's matrices to the job's owner, whole matrices come back.
+
+    Args:
+        shards: per job, this rank's rows of each of its matrices (``(rows, n)``, any float dtype).
+        owners: the rank of every job (from `assign_owners`), the same on every rank.
+        layouts: per job ``(count, (m, n), dtype)``: how many matrices, their whole shape, and the dtype
+            they travel (and are orthogonalised) in.
+
+    Returns, for each job this rank owns, its matrices stacked whole: ``(count, m, n)`` in ``dtype``.
+    """
+    device = shards[0][0].device
+    pieces: list[list[Tensor]] = [[] for _ in range(world.size)]
+    receive: list[list] = [[] for _ in range(world.size)]
+    for job, (count, (m, n), dtype) in enumerate(layouts):
+        pieces[owners[job]].extend(shard.reshape(-1, n).to(dtype) for shard in shards[job])
+        if owners[job] == world.rank:
+            for source, rows in enumerate(shard_rows(m, world.size)):
+                receive[source].extend([((rows, n), dtype)] * count)
+    received = _all_to_all(pieces, receive, world, device)
+    whole, taken = {}, [0] * world.size
+    for job, (count, (m, n), dtype) in enumerate(layouts):
+        if owners[job] != world.rank:
+            continue
+        rows = shard_rows(m, world.size)
+        stack = torch.empty(count, m, n, dtype=dtype, device=device)
+        for i in range(count):
+            start = 0
+            for source in range(world.size):
+                stack[i, start : start + rows[source]] = received[source][taken[source] + i]
+                start += rows[source]
+        for source in range(world.size):
+            taken[source] += count
+        whole[job] = stack
+    return whole
+
+
+def scatter_from_owners(
+    whole: dict[int, Tensor], owners: Sequence[int], layouts: Sequence[Layout], world: World, device: torch.device
+) -> list[list[Tensor]]:
+    """The inverse of `gather_to_owners`: each owner sends every rank its rows of each whole result.
+
+    Args:
+        whole: for each job this rank owns, its results ``(count, m, n)`` in the layout's dtype.
+        device: where the receive buffer lives (the parameters' device).
+
+    Returns, per job, this rank's rows of each result (``(rows, n)`` views into one receive buffer).
+    """
+    pieces: list[list[Tensor]] = [[] for _ in range(world.size)]
+    receive: list[list] = [[] for _ in range(world.size)]
+    for job, (count, (m, n), dtype) in enumerate(layouts):
+        rows = shard_rows(m, world.size)
+        receive[owners[job]].extend([((rows[world.rank], n), dtype)] * count)
+        if owners[job] == world.rank:
+            for i in range(count):
+                start = 0
+                for dest in range(world.size):
+                    pieces[dest].append(whole[job][i, start : start + rows[dest]])
+                    start += rows[dest]
+    received = _all_to_all(pieces, receive, world, device)
+    result, taken = [], [0] * world.size
+    for job, (count, _, _) in enumerate(layouts):
+        owner = owners[job]
+        result.append(received[owner][taken[owner] : taken[owner] + count])
+        taken[owner] += count
     return result

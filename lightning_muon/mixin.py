@@ -9,7 +9,7 @@ stepping and a correct ``global_step``. The mixin puts all of that back:
 
 It wraps the parent's ``training_step`` and, from the loss it returns, does:
 backward (loss / N); gradient accumulation over N micro-batches (no DDP
-gradient sync until the last one); on the last micro-batch one update:
+all-reduce or FSDP2 reduce-scatter until the last one); on the last micro-batch one update:
 unscale (16-mixed), ``on_before_optimizer_step`` hooks, one global
 gradient-norm clip over both optimizers, a non-finite check that skips both
 optimizers, both steps, one scaler update, both scheduler steps, zero grads.
@@ -18,10 +18,11 @@ optimizers, both steps, one scaler update, both scheduler steps, zero grads.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -342,12 +343,11 @@ class MuonMixin:
         update_now = not self.trainer.fit_loop.epoch_loop._should_accumulate()
         if loss is not None:
             scaled = loss / self._muon_settings["accumulate_grad_batches"]
-            strategy = self.trainer.strategy
-            if not update_now and isinstance(strategy, ParallelStrategy):
-                with strategy.block_backward_sync():
-                    self.manual_backward(scaled)
-            else:
+            if update_now:
                 self.manual_backward(scaled)
+            else:
+                with self._no_gradient_sync():
+                    self.manual_backward(scaled)
             self._losses_in_update += 1
         self._micro_batches += 1
         if update_now:
@@ -356,6 +356,29 @@ class MuonMixin:
             self._micro_batches = 0
             self._losses_in_update = 0
         return output
+
+    @contextlib.contextmanager
+    def _no_gradient_sync(self) -> Iterator[None]:
+        """Backward of a non-final micro-batch: gradients accumulate locally, no cross-rank reduction.
+
+        DDP through the strategy's ``no_sync``; FSDP2 (``fully_shard`` modules, which Lightning's
+        ``ModelParallelStrategy`` leaves alone here) through ``set_requires_gradient_sync``.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [m for m in self.modules() if isinstance(m, FSDPModule)]
+        for module in sharded:
+            module.set_requires_gradient_sync(False, recurse=False)
+        strategy = self.trainer.strategy
+        try:
+            if isinstance(strategy, ParallelStrategy):
+                with strategy.block_backward_sync():
+                    yield
+            else:
+                yield
+        finally:
+            for module in sharded:
+                module.set_requires_gradient_sync(True, recurse=False)
 
     def _loss_of(self, output: Any) -> torch.Tensor | None:
         if output is None:

@@ -31,7 +31,17 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_muon.distributed import World, any_rank, assign_owners, exchange, is_dtensor, replicated_world
+from lightning_muon.distributed import (
+    World,
+    any_rank,
+    assign_owners,
+    exchange,
+    gather_to_owners,
+    is_dtensor,
+    replicated_world,
+    scatter_from_owners,
+    sharded_world,
+)
 from lightning_muon.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
@@ -124,6 +134,27 @@ def _scalar(x: float | Tensor) -> float:
     return x.item() if isinstance(x, Tensor) else x
 
 
+def _step_lr(job: _Job) -> float:
+    """The shape-adjusted learning rate of a job's matrices."""
+    return adjust_lr(_scalar(job.group["lr"]), job.group["adjust_lr_fn"], job.shape)
+
+
+def _ns_kwargs(group: dict[str, Any]) -> dict[str, Any]:
+    """`zeropower_via_newtonschulz`'s settings for a param group."""
+    return {
+        "ns_coefficients": group["ns_coefficients"],
+        "ns_steps": group["ns_steps"],
+        "eps": group["eps"],
+        "dtype": _ns_dtype(group),
+    }
+
+
+def _measure(updates: Tensor, step_lr: float) -> tuple[Tensor, Tensor]:
+    """Orthogonality error and applied-update RMS (``step_lr * O``) of a ``(k, m, n)`` stack, in float32."""
+    stack = updates.float()
+    return orthogonality_error(stack), stack.pow(2).mean(dim=(-2, -1)).sqrt() * step_lr
+
+
 class Muon(Optimizer):
     """Muon: SGD-momentum whose update is orthogonalised by Newton-Schulz iterations.
 
@@ -159,9 +190,12 @@ class Muon(Optimizer):
             plain, replicated parameters) each rank orthogonalises a share of
             the matrices, balanced by FLOPs, and the results are all-gathered
             (one copy of the updates in ``ns_dtype``); every rank still keeps
-            every momentum buffer. ``False``: every rank does all the work, as
-            ``torch.optim.Muon``. Sharded (FSDP2/DTensor) parameters are always
-            gathered whole for Newton-Schulz.
+            every momentum buffer. Under FSDP2 (DTensor parameters sharded on
+            dim 0 over one mesh) each matrix's shards are sent to an owner rank,
+            which orthogonalises the whole matrix and sends every rank back its
+            rows; momentum stays sharded. ``False``: every rank does all the
+            work, as ``torch.optim.Muon`` (under FSDP2 every rank gathers and
+            orthogonalises every whole matrix). Newton-Schulz never runs on a shard.
     """
 
     def __init__(
@@ -221,7 +255,7 @@ class Muon(Optimizer):
         #: Under DDP (an initialised process group, replicated parameters), each rank orthogonalises
         #: a share of the matrices and the results are all-gathered.
         self.split_ns = split_ns
-        #: Bytes this rank sent in the last split step's exchange (0 when not split).
+        #: Bytes this rank sent in the last distributed step's exchanges (0 when nothing was exchanged).
         self.last_exchange_bytes = 0
         self._exchange_buffers: dict = {}
         self._diagnose: Callable[[Tensor], bool] | None = None
@@ -306,11 +340,12 @@ class Muon(Optimizer):
         if diagnose is not None:
             self.diagnostics = []
         every = [p for group in self.param_groups for p in group["params"]]
-        world = replicated_world(every) if self.split_ns and every else None
+        sharded = sharded_world(every) if self.split_ns else None
+        world = replicated_world(every) if self.split_ns and every and sharded is None else None
         has_grad = [p.grad is not None for p in every]
-        if world is not None:
+        if sharded or world:
             # Every rank must build the same jobs: a gradient missing on one rank is zero there.
-            has_grad = any_rank(has_grad, every[0].device)
+            has_grad = any_rank(has_grad, every[0].device, (sharded or world).group)
         jobs, index = [], 0
         for group in self.param_groups:
             params, grads, bufs, names = [], [], [], []
@@ -327,11 +362,13 @@ class Muon(Optimizer):
                 bufs.append(state["momentum_buffer"])
                 names.append(self._name(group, i, index + i) if diagnose is not None else "")
             index += len(group["params"])
-            for bucket in self._buckets(group, params):
+            for bucket in self._buckets(group, params, whole_dtensors=sharded is None):
                 pick = [params[k] for k in bucket], [grads[k] for k in bucket], [bufs[k] for k in bucket]
                 jobs.append(_Job(group, *pick, [names[k] for k in bucket], matrix_shape(params[bucket[0]].shape)))
 
-        if world is None:
+        if sharded is not None:
+            self._step_sharded(jobs, sharded, diagnose)
+        elif world is None:
             # Job by job, so a matrix's buffer and gradient are still in cache for its whole update
             # (on CPU, sweeping every buffer first and orthogonalising afterwards measured slower).
             for job in jobs:
@@ -358,6 +395,55 @@ class Muon(Optimizer):
         for job, orthogonal in zip(jobs, gathered):
             self._apply(job, orthogonal, diagnose)
 
+    def _step_sharded(self, jobs: list[_Job], world: World, diagnose: Callable[[Tensor], bool] | None) -> None:
+        """FSDP2: each job's row shards go to its owner rank, which orthogonalises the whole matrices
+        and sends every rank back its rows of the result; every rank applies its own rows."""
+        self.last_exchange_bytes = 0
+        if not jobs:  # the same on every rank: which parameters have gradients was agreed above
+            return
+        # The local shards (views: in-place updates reach the DTensors) do all the elementwise work.
+        local = [
+            job._replace(
+                params=[p.to_local() for p in job.params],
+                grads=[g.to_local() for g in job.grads],
+                bufs=[b.to_local() for b in job.bufs],
+            )
+            for job in jobs
+        ]
+        owners = assign_owners([ns_flops(*job.shape) * len(job.params) for job in jobs], world.size)
+        layouts = [(len(job.params), job.shape, _ns_dtype(job.group)) for job in jobs]
+        shards = [self._momentum(job) for job in local]
+        whole = gather_to_owners(shards, owners, layouts, world)
+        results = {j: zeropower_via_newtonschulz(stack, **_ns_kwargs(jobs[j].group)) for j, stack in whole.items()}
+        device = local[0].params[0].device
+        mine = scatter_from_owners(results, owners, layouts, world, device)
+        self.last_exchange_bytes = sum(
+            s.numel() * layout[2].itemsize for ss, layout in zip(shards, layouts) for s in ss
+        ) + sum(r.numel() * r.element_size() for r in results.values())
+        for job, orthogonal in zip(local, mine):
+            self._apply(job, orthogonal, None)
+        if diagnose is not None:
+            self._record_sharded(jobs, results, world, diagnose)
+
+    def _record_sharded(
+        self, jobs: list[_Job], results: dict[int, Tensor], world: World, diagnose: Callable[[Tensor], bool]
+    ) -> None:
+        """Owners measure the whole updates they computed; one all-reduce gives every rank every number."""
+        chosen = [[i for i, p in enumerate(job.params) if diagnose(p)] for job in jobs]
+        starts = [0]
+        for picked in chosen:
+            starts.append(starts[-1] + len(picked))
+        values = torch.zeros(starts[-1], 2, device=jobs[0].params[0].device)
+        for j, stack in results.items():
+            if chosen[j]:
+                errors, rms = _measure(stack[chosen[j]], _step_lr(jobs[j]))
+                values[starts[j] : starts[j + 1]] = torch.stack([errors, rms], dim=1)
+        torch.distributed.all_reduce(values, group=world.group)
+        for j, job in enumerate(jobs):
+            for row, i in zip(values[starts[j] : starts[j + 1]], chosen[j]):
+                p = job.params[i]
+                self.diagnostics.append(ParamDiagnostics(job.names[i], tuple(p.shape), _step_lr(job), row[0], row[1]))
+
     @staticmethod
     def _momentum(job: _Job, update: bool = True) -> list[Tensor]:
         """Update the momentum buffers; return the tensors to orthogonalise (Nesterov or the buffers)."""
@@ -373,7 +459,7 @@ class Muon(Optimizer):
         """Decoupled weight decay with the base lr, then the shape-adjusted orthogonalised step."""
         lr = _scalar(job.group["lr"])
         decay = 1 - lr * job.group["weight_decay"]
-        step_lr = adjust_lr(lr, job.group["adjust_lr_fn"], job.shape)
+        step_lr = _step_lr(job)
         if decay != 1.0:
             torch._foreach_mul_(job.params, decay)
         # 2D updates go in as they are (a tall one is a transposed view: no copy); ND ones are unflattened.
@@ -394,15 +480,16 @@ class Muon(Optimizer):
         return names[i] if names else f"{group.get('name', 'params')}.{index}"
 
     @staticmethod
-    def _buckets(group: dict[str, Any], params: list[Tensor]) -> list[list[int]]:
+    def _buckets(group: dict[str, Any], params: list[Tensor], whole_dtensors: bool = True) -> list[list[int]]:
         """Indices of ``params`` in runs of same flattened shape, dtypes and device, within the byte cap.
 
-        Sharded (DTensor) matrices are orthogonalised one at a time, each gathered whole.
+        With ``whole_dtensors``, sharded (DTensor) matrices are orthogonalised one at a time, each
+        gathered whole on every rank (the fallback for layouts other than FSDP2's).
         """
         same: dict[tuple, list[int]] = defaultdict(list)
         for k, p in enumerate(params):
             key = (matrix_shape(p.shape), p.dtype, p.grad.dtype if p.grad is not None else p.dtype, p.device)
-            same[(*key, k) if is_dtensor(p) else key].append(k)
+            same[(*key, k) if whole_dtensors and is_dtensor(p) else key].append(k)
         buckets = []
         for (shape, _, _, device, *_), ks in same.items():
             cap = group["ns_batch_bytes"]
@@ -415,12 +502,7 @@ class Muon(Optimizer):
 
     @staticmethod
     def _orthogonalise(group: dict[str, Any], updates: list[Tensor], shape: tuple[int, int]) -> list[Tensor]:
-        kwargs = {
-            "ns_coefficients": group["ns_coefficients"],
-            "ns_steps": group["ns_steps"],
-            "eps": group["eps"],
-            "dtype": _ns_dtype(group),
-        }
+        kwargs = _ns_kwargs(group)
         if len(updates) == 1 and is_dtensor(updates[0]):
             # FSDP2: Newton-Schulz needs the whole matrix, never a shard. Gather it, orthogonalise,
             # and keep this rank's shard of the result (every rank computes the same full matrix).
@@ -446,9 +528,7 @@ class Muon(Optimizer):
         matrices = [orthogonal[j] for j in chosen]
         if is_dtensor(matrices[0]):
             matrices = [m.full_tensor().reshape(job.shape) for m in matrices]
-        stack = torch.stack(matrices).float()
-        errors = orthogonality_error(stack)
-        rms = stack.pow(2).mean(dim=(-2, -1)).sqrt() * step_lr
+        errors, rms = _measure(torch.stack(matrices), step_lr)
         for j, err, r in zip(chosen, errors, rms):
             p = job.params[j]
             self.diagnostics.append(ParamDiagnostics(job.names[j], tuple(p.shape), step_lr, err, r))

@@ -1,6 +1,7 @@
 """Run by tests/test_distributed.py in a subprocess: Lightning's ModelParallelStrategy re-launches this
 script for rank 1. Trains the test network fully sharded (FSDP2) on 2 CPU processes and saves every
-rank's gathered parameters to ``out``; optionally resumes from, or saves, a distributed checkpoint."""
+rank's gathered parameters to ``out``, and how many gradient reduce-scatters FSDP2 ran; optionally
+accumulates gradients, resumes from, or saves, a distributed checkpoint."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_distributed import MuonNet, SaveCheckpointAtEnd, SaveEveryRank, muon_factory  # noqa: E402
@@ -26,6 +29,19 @@ class ShardedNet(MuonNet):
         fully_shard(self, mesh=mesh)
 
 
+def count_reduce_scatters() -> list[int]:
+    """Count FSDP2's gradient reductions (one per sharded module per synced backward)."""
+    calls = [0]
+    reduce = _fsdp_param_group.foreach_reduce
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return reduce(*args, **kwargs)
+
+    _fsdp_param_group.foreach_reduce = counted
+    return calls
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -33,16 +49,25 @@ if __name__ == "__main__":
     parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--save", type=Path, default=None)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--accumulate", type=int, default=1)
     args = parser.parse_args()
+    syncs = count_reduce_scatters()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
     if args.save or args.ckpt:
         # torch.distributed.checkpoint restores optimizer state for every parameter it could have;
         # `sometimes` is never used here, so it is frozen rather than left without state.
-        model = ShardedNet(batch_size=4, muon=muon_factory(), adamw_params=["net.8.*"])
+        model = ShardedNet(batch_size=args.batch_size, muon=muon_factory(), adamw_params=["net.8.*"])
         model.sometimes.weight.requires_grad_(False)
     else:
-        model = ShardedNet(batch_size=4, muon=muon_factory(), muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
+        model = ShardedNet(
+            batch_size=args.batch_size,
+            muon=muon_factory(),
+            muon_params=["sometimes.weight"],
+            adamw_params=["net.8.*"],
+            accumulate_grad_batches=args.accumulate,
+        )
     callbacks = [SaveEveryRank(args.out)] + ([SaveCheckpointAtEnd(args.save)] if args.save else [])
     trainer = L.Trainer(
         accelerator="cpu",
@@ -57,3 +82,4 @@ if __name__ == "__main__":
         callbacks=callbacks,
     )
     trainer.fit(model, ckpt_path=args.ckpt)
+    torch.save(syncs[0], args.out / f"syncs{trainer.global_rank}.pt")

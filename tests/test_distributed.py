@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -136,22 +139,101 @@ def test_orthogonalising_a_shard_is_not_orthogonalising_the_matrix():
     assert relative > 0.1, relative
 
 
+#: Uneven row shards on purpose: 5 rows split 3 + 2, 1 row split 1 + 0; a conv kernel; two 7x7 (one batch).
+SHARDED_SHAPES = [(5, 3), (7, 7), (1, 4), (3, 2, 2, 2), (7, 7), (16, 8)]
+
+
+def _sharded_worker(rank: int, init_file: str, shard_dim: int, split_ns: bool, out: str) -> None:
+    """Steps Muon on DTensor parameters (2 ranks) and on the same whole tensors (no sharding); saves both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    initial = [torch.randn(shape) for shape in SHARDED_SHAPES]
+    grads = [[torch.randn(shape) for shape in SHARDED_SHAPES] for _ in range(3)]
+    sharded = [nn.Parameter(distribute_tensor(x.clone(), mesh, [Shard(shard_dim)])) for x in initial]
+    whole = [nn.Parameter(x.clone()) for x in initial]
+    results = {}
+    for name, params, split in (("sharded", sharded, split_ns), ("whole", whole, False)):
+        optimizer = Muon(params, lr=0.1, weight_decay=0.01, ns_dtype=torch.float32, split_ns=split)
+        for step, step_grads in enumerate(grads):
+            for i, (p, g) in enumerate(zip(params, step_grads)):
+                unused = step == 1 and i == 2  # no gradient on any rank for one step
+                p.grad = None if unused else (distribute_tensor(g, mesh, [Shard(shard_dim)]) if p is not whole[i] else g)
+            optimizer.record_diagnostics()
+            optimizer.step()
+        results[name] = {
+            "params": [(p.full_tensor() if is_dtensor(p) else p).detach() for p in params],
+            "errors": sorted(d.orthogonality_error.item() for d in optimizer.diagnostics),
+            "sent": optimizer.last_exchange_bytes,
+        }
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("shard_dim", "split_ns"), [(0, True), (0, False), (1, True)], ids=["owners", "every-rank", "dim1-fallback"]
+)
+def test_sharded_parameters_are_orthogonalised_whole(tmp_path, shard_dim, split_ns):
+    """DTensor parameters (FSDP2's row shards, uneven ones included) give the unsharded result: through owner
+    ranks and two all-to-alls (FSDP2's layout), or gathered whole on every rank (split off, other layouts)."""
+    mp.spawn(_sharded_worker, args=(str(tmp_path / "init"), shard_dim, split_ns, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        for got, expected in zip(r["sharded"]["params"], r["whole"]["params"]):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(r["sharded"]["errors"], r["whole"]["errors"], atol=1e-5, rtol=0)
+    for got0, got1 in zip(ranks[0]["sharded"]["params"], ranks[1]["sharded"]["params"]):
+        assert torch.equal(got0, got1)
+    sent = [r["sharded"]["sent"] for r in ranks]
+    if shard_dim == 0 and split_ns:
+        # fp32: every shard once to its owner, every result once back: two copies of the matrices in all.
+        assert sum(sent) == 2 * 4 * sum(torch.Size(s).numel() for s in SHARDED_SHAPES) and min(sent) > 0
+    else:
+        assert sent == [0, 0]
+
+
+def run_fsdp2(out: Path, *args: str) -> list[dict]:
+    """Run tests/fsdp2_run.py (2 ranks, its own free port: a port just closed may still be taken)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).parent / "fsdp2_run.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(out), *args],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(port)},
+    )
+    assert result.returncode == 0, f"{out.name}: {result.stderr[-3000:]}"
+    return [{**torch.load(out / f"rank{r}.pt"), "syncs": torch.load(out / f"syncs{r}.pt")} for r in range(2)]
+
+
 def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     """ModelParallelStrategy + fully_shard: every matrix is orthogonalised whole, so sharded training
     matches one process (a per-shard Newton-Schulz would be off by >10%, see the test above)."""
     (single,) = train(tmp_path / "one", devices=1, steps=6)
-    out = tmp_path / "fsdp2"
-    out.mkdir()
-    script = Path(__file__).parent / "fsdp2_run.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(out), "--max-steps", "6"], capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rank0, rank1 = (torch.load(out / f"rank{r}.pt") for r in range(2))
+    rank0, rank1 = run_fsdp2(tmp_path / "fsdp2", "--max-steps", "6")
     assert rank0["world"] == 2
     for name, p in single["params"].items():
         assert torch.equal(rank0["params"][name], rank1["params"][name]), name
         torch.testing.assert_close(rank0["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
+    # The owner path ran: fp32 shards of 16x8, 2 x 16x16, 24x16 went to their owners and the results came
+    # back, two copies in all (`sometimes` is never used here, so it has no gradient and stays out).
+    assert rank0["exchange_bytes"] + rank1["exchange_bytes"] == 2 * 4 * (16 * 8 + 2 * 16 * 16 + 24 * 16)
+
+
+def test_fsdp2_accumulation_reduces_gradients_only_on_the_last_micro_batch(tmp_path):
+    (single,) = train(tmp_path / "one", devices=1, steps=4)
+    plain = run_fsdp2(tmp_path / "plain", "--max-steps", "4", "--batch-size", "4")
+    accumulated = run_fsdp2(tmp_path / "accumulated", "--max-steps", "4", "--batch-size", "2", "--accumulate", "2")
+    # Twice the backward passes, the same number of reduce-scatters: none on the first micro-batch.
+    assert [r["syncs"] for r in accumulated] == [r["syncs"] for r in plain]
+    assert plain[0]["syncs"] > 0
+    for name, p in single["params"].items():
+        assert torch.equal(accumulated[0]["params"][name], accumulated[1]["params"][name]), name
+        torch.testing.assert_close(accumulated[0]["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
 
 
 class CountGradientSyncs(L.Callback):
@@ -253,10 +335,7 @@ def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path):
         "resumed": ["--max-epochs", "2", "--ckpt", str(checkpoint)],
     }
     for name, args in runs.items():
-        result = subprocess.run(
-            [sys.executable, str(script), str(tmp_path / name), *args], capture_output=True, text=True, timeout=300
-        )
-        assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
+        run_fsdp2(tmp_path / name, *args)
     assert checkpoint.is_dir()  # sharded: torch.distributed.checkpoint, not one file
     straight = torch.load(tmp_path / "straight" / "rank0.pt")["params"]
     for r in range(2):
