@@ -1,13 +1,21 @@
-"""Muon under DDP: per-rank step time with the Newton-Schulz work split across ranks vs repeated on each.
+"""Muon on 2 ranks: Newton-Schulz time and step time per rank, work split across ranks vs repeated on each.
 
 Two CPU processes (gloo, one thread each, so the two ranks do not fight over
 the 2 cores) hold the same GPT-2-small hidden matrices (12 layers of 2304x768,
-768x768, 3072x768, 768x3072) and the same gradients, as DDP leaves them after
-its all-reduce. Each steps ``lightning_muon.Muon`` with ``split_ns=True`` (each
-rank orthogonalises half the matrices, then an all-gather of the updates) and
-``split_ns=False`` (every rank orthogonalises every matrix, like
-``torch.optim.Muon``), alternating, and reports the median per-rank step time
-and the bytes each rank sent, against the bytes of the Muon parameters.
+768x768, 3072x768, 768x3072) and the same gradients, laid out two ways:
+
+- **DDP** (replicated parameters, as DDP leaves them after its all-reduce):
+  ``split_ns=True`` (each rank orthogonalises its FLOP-balanced share, then an
+  all-gather of the updates) against ``split_ns=False`` (every rank
+  orthogonalises every matrix, like ``torch.optim.Muon``).
+- **FSDP2** (DTensor row shards on a 2-rank mesh, as ``fully_shard`` leaves
+  them): ``split_ns=True`` (each matrix to one owner rank and its rows back, two
+  all-to-alls) against ``split_ns=False`` (every rank gathers and orthogonalises
+  every whole matrix).
+
+The modes take turns step by step. Reported per rank: the median step time, the
+median time inside Newton-Schulz (the work being split), and the bytes the rank
+sent, against the bytes of the (fp32) Muon parameters.
 
     python benchmarks/distributed.py            # GPT-2-small, 3 timed steps per mode
     python benchmarks/distributed.py --quick    # width-128 matrices, seconds
@@ -18,8 +26,6 @@ Writes ``benchmarks/results/distributed.md``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import io
 import os
 import statistics
 import sys
@@ -33,39 +39,71 @@ import torch.multiprocessing as mp
 from rich.console import Console
 from rich.table import Table
 
-from lightning_muon import Muon
+sys.path.insert(0, str(Path(__file__).parent))
+import _report  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "distributed.md"
+import lightning_muon.muon as muon_module  # noqa: E402
+from lightning_muon import Muon  # noqa: E402
+
 WORLD = 2
+MODES = {  # name -> (layout, split_ns)
+    "DDP, split_ns=False (every rank does all)": ("ddp", False),
+    "DDP, split_ns=True (each rank a share)": ("ddp", True),
+    "FSDP2, split_ns=False (every rank gathers all)": ("fsdp2", False),
+    "FSDP2, split_ns=True (owner ranks)": ("fsdp2", True),
+}
 
 
 def shapes(layers: int, width: int) -> list[tuple[int, int]]:
     return [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers
 
 
+def timed_newton_schulz(seconds: list[float]):
+    """`zeropower_via_newtonschulz` as Muon calls it, adding the time of every call to ``seconds[0]``."""
+    inner = muon_module.zeropower_via_newtonschulz
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            seconds[0] += time.perf_counter() - start
+
+    return timed
+
+
 def worker(rank: int, layers: int, width: int, repeats: int, init_file: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (WORLD,))
     torch.manual_seed(0)  # the same matrices and gradients on every rank, as after DDP's all-reduce
     initial = [torch.randn(s) * 0.02 for s in shapes(layers, width)]
     grads = [torch.randn(s) for s in shapes(layers, width)]
-    steps, sent = {}, {}
-    optimizers = {}
-    for split in (True, False):
-        params = [torch.nn.Parameter(x.clone()) for x in initial]
+    ns_seconds = [0.0]
+    muon_module.zeropower_via_newtonschulz = timed_newton_schulz(ns_seconds)
+    optimizers, results = {}, {}
+    for name, (layout, split) in MODES.items():
+        place = (lambda x: distribute_tensor(x, mesh, [Shard(0)])) if layout == "fsdp2" else (lambda x: x)
+        params = [torch.nn.Parameter(place(x.clone())) for x in initial]
         for p, g in zip(params, grads):
-            p.grad = g.clone()
-        optimizers[split] = Muon(params, lr=0.02, momentum=0.95, weight_decay=0.01, split_ns=split)
-        optimizers[split].step()  # warm-up
-        steps[split] = []
+            p.grad = place(g.clone())
+        optimizers[name] = Muon(params, lr=0.02, momentum=0.95, weight_decay=0.01, split_ns=split)
+        optimizers[name].step()  # warm-up
+        results[name] = {"step": [], "ns": [], "sent": 0}
     for _ in range(repeats):
-        for split, optimizer in optimizers.items():
+        for name, optimizer in optimizers.items():
             dist.barrier()
+            ns_seconds[0] = 0.0
             start = time.perf_counter()
             optimizer.step()
-            steps[split].append(time.perf_counter() - start)
-            sent[split] = optimizer.last_exchange_bytes
-    torch.save({"steps": steps, "sent": sent, "param_bytes": sum(x.numel() * 4 for x in initial)}, f"{out}/rank{rank}.pt")
+            results[name]["step"].append(time.perf_counter() - start)
+            results[name]["ns"].append(ns_seconds[0])
+            results[name]["sent"] = optimizer.last_exchange_bytes
+    param_bytes = sum(x.numel() * x.element_size() for x in initial)
+    torch.save({"results": results, "param_bytes": param_bytes}, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -75,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
-    layers, width, name = (4, 128, "width-128") if args.quick else (12, 768, "gpt2-small")
+    layers, width, name = (4, 128, "width-128") if args.quick else (12, 768, "GPT-2-small")
     repeats = args.repeats or (20 if args.quick else 3)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -83,33 +121,43 @@ def main(argv: list[str] | None = None) -> None:
         mp.spawn(worker, args=(layers, width, repeats, init_file, tmp), nprocs=WORLD, join=True)
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
 
-    table = Table(title=f"Muon step per rank, {WORLD} CPU processes (gloo, 1 thread each), {name}")
-    for column in ("mode", "rank 0 ms", "rank 1 ms", "ratio to not split", "bytes sent (all ranks)", "of Muon param bytes"):
+    table = Table(title=f"Muon per rank, {WORLD} CPU processes (gloo, 1 thread each), {name} hidden matrices")
+    columns = ("mode", "step ms (rank 0 / 1)", "step ratio", "NS ms (rank 0 / 1)", "NS ratio", "bytes sent", "of param bytes")
+    for column in columns:
         table.add_column(column, justify="left" if column == "mode" else "right")
-    medians = {split: [statistics.median(r["steps"][split]) for r in ranks] for split in (True, False)}
     param_bytes = ranks[0]["param_bytes"]
-    for split, label in ((False, "split_ns=False (every rank does all)"), (True, "split_ns=True (each rank half)")):
-        sent = sum(r["sent"][split] for r in ranks)
-        ratio = max(medians[split]) / max(medians[False])
-        table.add_row(
-            label, *(f"{1e3 * m:.0f}" for m in medians[split]), f"{ratio:.2f}", f"{sent:,}", f"{sent / param_bytes:.2f}"
-        )
-    console = Console()
+    median = {
+        (mode, what): [statistics.median(r["results"][mode][what]) for r in ranks] for mode in MODES for what in ("step", "ns")
+    }
+    for mode, (layout, split) in MODES.items():
+        peer = next(m for m, (lay, s) in MODES.items() if lay == layout and not s)  # the same layout, not split
+        sent = sum(r["results"][mode]["sent"] for r in ranks)
+        cells = []
+        for what in ("step", "ns"):  # a step waits for the slower rank: ratios compare the slower ranks
+            cells += [" / ".join(f"{1e3 * t:.0f}" for t in median[mode, what]),
+                      f"{max(median[mode, what]) / max(median[peer, what]):.2f}"]
+        if layout == "fsdp2" and not split:  # DTensor.full_tensor's all-gathers, which Muon does not count
+            table.add_row(mode, *cells, "not counted", "")
+        else:
+            table.add_row(mode, *cells, f"{sent:,}", f"{sent / param_bytes:.2f}")
+    console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
-    machine = f"torch {torch.__version__}, {os.cpu_count()} CPUs, {repeats} timed steps per mode (median)"
-    console.print(machine)
+    details = f"{_report.machine(threads=1)} per rank; {repeats} timed steps per mode (median), modes taking turns"
+    console.print(details)
     if not args.no_write:
-        buffer = io.StringIO()
-        Console(file=buffer, width=140, no_color=True, force_terminal=False).print(table)
-        command = " ".join(["python benchmarks/distributed.py"] + (argv if argv is not None else sys.argv[1:]))
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(
-            f"# Distributed Newton-Schulz\n\n`{command}` on {datetime.date.today()}: {machine}.\n"
-            "The ratio compares the slower rank of each mode (a step waits for it). Bytes are what the "
-            "all-gather carries: each rank's share of the updates in bf16.\n\n"
-            f"```\n{buffer.getvalue()}```\n"
+        notes = (
+            "Ratios are against the same layout with `split_ns=False`, comparing the slower rank of each mode "
+            "(a step waits for it). NS ms is the time inside Newton-Schulz only; a step also updates every "
+            "momentum buffer and parameter (DDP: every rank all of them, by design: Lightning checkpoints "
+            "rank 0; FSDP2: each rank its shards) and exchanges the updates. Bytes are what all ranks sent "
+            "together (bf16 updates): DDP's all-gather carries each rank's share once; FSDP2's two all-to-alls "
+            "carry every shard to its owner and every result back (self-sends included). FSDP2 with "
+            "`split_ns=False` gathers each matrix with `DTensor.full_tensor()` on every rank (fp32, not counted "
+            "by Muon): each rank receives every other rank's shards.\n"
         )
-        console.print(f"wrote {RESULTS}")
+        path = _report.write("distributed", "Distributed Newton-Schulz", _report.command("distributed.py", argv),
+                             details, [table], notes)
+        console.print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""What every speed benchmark writes: ``benchmarks/results/<name>.md`` with the command that produced it,
+the date, the machine, and its tables as plain text."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine(threads: int | None = None) -> str:
+    """One line: CPU, cores, torch threads (this process's unless given), torch version and CPU capability."""
+    return (
+        f"{platform.machine()}, {os.cpu_count()} CPUs, {threads or torch.get_num_threads()} torch threads, torch "
+        f"{torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()})"
+    )
+
+
+def command(script: str, argv: Sequence[str] | None) -> str:
+    """The command line that ran ``script`` (``argv`` as passed to ``main``, else ``sys.argv``)."""
+    return " ".join([f"python benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def as_text(table: Table, width: int = 140) -> str:
+    """A rich table rendered as plain text (no colours)."""
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, no_color=True, force_terminal=False).print(table)
+    return buffer.getvalue()
+
+
+def write(name: str, title: str, command_line: str, details: str, tables: Sequence[Table], notes: str = "") -> Path:
+    """Write ``results/<name>.md``: title, command, date, ``details`` (the machine and settings), the tables
+    in code blocks, then ``notes``. Returns the path."""
+    path = RESULTS / f"{name}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blocks = "".join(f"```\n{as_text(table)}```\n\n" for table in tables)
+    path.write_text(
+        f"# {title}\n\n`{command_line}` on {datetime.date.today()}: {details}.\n\n{blocks}{notes}".rstrip() + "\n"
+    )
+    return path
