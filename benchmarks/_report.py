@@ -1,5 +1,5 @@
-"""What every speed benchmark writes: ``benchmarks/results/<name>.md`` with the command that produced it,
-the date, the machine, and its tables as plain text."""
+"""What every benchmark writes: ``benchmarks/results/<name>.md`` with the command that produced it, the
+date, the machine, and its tables as plain text, and the same as a section of ``benchmarks/RESULTS.md``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import datetime
 import io
 import os
 import platform
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 RESULTS = Path(__file__).parent / "results"
+RESULTS_MD = Path(__file__).parent / "RESULTS.md"
 
 
 def machine(threads: int | None = None) -> str:
@@ -39,12 +41,24 @@ def as_text(table: Table, width: int = 140) -> str:
 
 
 def write(name: str, title: str, command_line: str, details: str, tables: Sequence[Table], notes: str = "") -> Path:
-    """Write ``results/<name>.md``: title, command, date, ``details`` (the machine and settings), the tables
-    in code blocks, then ``notes``. Returns the path."""
+    """Write ``results/<name>.md`` and the ``name`` section of ``RESULTS.md``: title, command, date,
+    ``details`` (the machine and settings), the tables in code blocks, then ``notes``. Returns the path."""
     path = RESULTS / f"{name}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     blocks = "".join(f"```\n{as_text(table)}```\n\n" for table in tables)
-    path.write_text(
-        f"# {title}\n\n`{command_line}` on {datetime.date.today()}: {details}.\n\n{blocks}{notes}".rstrip() + "\n"
-    )
+    body = f"`{command_line}` on {datetime.date.today()}: {details}.\n\n{blocks}{notes}".rstrip() + "\n"
+    path.write_text(f"# {title}\n\n{body}")
+    update_section(name, f"## {title}\n\n{body}")
     return path
+
+
+def update_section(key: str, section: str) -> None:
+    """Replace (or append) the ``key`` section of ``RESULTS.md``, kept between its HTML-comment markers."""
+    start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
+    text = RESULTS_MD.read_text() if RESULTS_MD.is_file() else (
+        "# Benchmark results\n\nOne section per benchmark, each written by the script named in it.\n"
+    )
+    block = f"{start}\n{section.strip()}\n{end}"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    RESULTS_MD.write_text(text)

@@ -12,7 +12,6 @@ must cost nothing extra (the optimizer's diagnostic path is not entered).
 from __future__ import annotations
 
 import argparse
-import datetime
 import logging
 import statistics
 import sys
@@ -21,15 +20,15 @@ import time
 from pathlib import Path
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _report  # noqa: E402
 from examples.char_gpt import CharGPT, StdlibTextDataModule  # noqa: E402
-from lightning_muon import MuonMonitor  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "monitor_overhead.md"
+from lightning_muon import MuonMonitor  # noqa: E402
 
 
 class BatchTimer(Callback):
@@ -77,13 +76,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(line)
     if not args.no_write:
-        command = " ".join(["python benchmarks/monitor_overhead.py"] + (argv if argv is not None else sys.argv[1:]))
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(
-            f"# MuonMonitor overhead\n\n`{command}` on {datetime.date.today()} (torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads), char_gpt default size, MuonMonitor(log_every_n_steps="
-            f"{args.every}), orthogonality on:\n\n{line}\n"
+        details = (
+            f"{_report.machine()}; char_gpt default size, MuonMonitor(log_every_n_steps={args.every}), "
+            "orthogonality on"
         )
+        path = _report.write("monitor_overhead", "MuonMonitor overhead", _report.command("monitor_overhead.py", argv),
+                             details, [], line + "\n")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

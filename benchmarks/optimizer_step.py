@@ -4,27 +4,29 @@ Two sets of hidden matrices (``nn.Linear`` weight shapes, ``out x in``):
 
 - ``gpt2-small``: 12 layers of 2304x768 (qkv), 768x768 (attn proj), 3072x768
   (MLP in), 768x3072 (MLP out): 85M parameters;
-- ``width-128``: 4 layers of the same blocks at width 128.
+- ``width-128``: 4 layers of the same blocks at width 128 (the ``char_gpt``
+  example's default shapes);
+- ``24x2048`` (accelerators): 24 layers at width 2048, 1.2B parameters.
 
 Each optimizer steps on the same random gradients; the table reports the
-median step time, the ratio ours/torch, and the Newton-Schulz FLOP rate as a
-share of the machine's matmul peak measured in the same run (a 2048^3 matmul in
-the NS dtype). bf16 and fp32 Newton-Schulz are both measured: bf16 is the
+median step time, the ratio ours/torch, and the step against its physical
+limit: the Newton-Schulz FLOPs over the machine's matmul peak measured in the
+same run (a 2048^3 matmul in the NS dtype on CPU, 8192^3 on an accelerator),
+as a share of the peak and as a multiple of that shortest possible time. bf16 and fp32 Newton-Schulz are both measured: bf16 is the
 default (fast where the CPU has bf16 matmuls, e.g. AVX512-BF16/AMX), fp32 is
 the choice on CPUs without them.
 
-    python benchmarks/optimizer_step.py            # both model sizes
+    python benchmarks/optimizer_step.py            # gpt2-small and width-128
     python benchmarks/optimizer_step.py --quick    # width-128 only, a few seconds
+    python benchmarks/optimizer_step.py --device cuda --models gpt2-small 24x2048   # a GPU, bf16 NS
 
-Writes ``benchmarks/results/optimizer_step.md`` (and prints the same table).
+Writes ``benchmarks/results/optimizer_step.md`` (``optimizer_step_cuda.md`` on a
+GPU) and prints the same table.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import io
-import platform
 import statistics
 import sys
 import time
@@ -36,15 +38,19 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-import lightning_muon
-from lightning_muon.newton_schulz import ns_flops
+sys.path.insert(0, str(Path(__file__).parent))
+import _report  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "optimizer_step.md"
+import lightning_muon  # noqa: E402
+from lightning_muon.newton_schulz import ns_flops  # noqa: E402
 
 MODELS = {
     "gpt2-small": (12, 768),
     "width-128": (4, 128),
+    "24x2048": (24, 2048),
 }
+#: Where the step runs (``--device``); timings synchronise it.
+DEVICE = torch.device("cpu")
 
 
 def hidden_shapes(layers: int, width: int) -> list[tuple[int, int]]:
@@ -53,15 +59,19 @@ def hidden_shapes(layers: int, width: int) -> list[tuple[int, int]]:
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 7) -> float:
     """FLOP/s of the fastest of several ``n^3`` matmuls in ``dtype``: the practical peak of this machine."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a, b = torch.randn(n, n, dtype=dtype, device=DEVICE), torch.randn(n, n, dtype=dtype, device=DEVICE)
     a @ b
     best = min(timed(lambda: a @ b) for _ in range(repeats))
     return 2 * n**3 / best
 
 
 def timed(fn: Callable[[], object]) -> float:
+    if DEVICE.type != "cpu":
+        torch.accelerator.synchronize()
     start = time.perf_counter()
     fn()
+    if DEVICE.type != "cpu":
+        torch.accelerator.synchronize()
     return time.perf_counter() - start
 
 
@@ -82,11 +92,13 @@ def bench_model(name: str, repeats: int, progress: Progress) -> list[dict]:
     layers, width = MODELS[name]
     shapes = hidden_shapes(layers, width)
     torch.manual_seed(0)
-    initial = [torch.randn(s) * 0.02 for s in shapes]
-    grads = [torch.randn(s) for s in shapes]
+    initial = [torch.randn(s, device=DEVICE) * 0.02 for s in shapes]
+    grads = [torch.randn(s, device=DEVICE) for s in shapes]
     flops = sum(ns_flops(*s) for s in shapes)
     steps = {}
     for label in FACTORIES:
+        if DEVICE.type != "cpu" and "fp32" in label:
+            continue  # bf16 Newton-Schulz is the choice on accelerators
         params = [torch.nn.Parameter(x.clone()) for x in initial]
         for p, g in zip(params, grads):
             p.grad = g.clone()
@@ -106,31 +118,39 @@ def bench_model(name: str, repeats: int, progress: Progress) -> list[dict]:
 
 
 def render(rows: list[dict], peaks: dict[torch.dtype, float]) -> Table:
-    table = Table(title="optimizer step (median)")
-    for column in ("model", "optimizer", "step ms", "ours / torch.optim.Muon", "NS % of matmul peak"):
+    table = Table(title=f"optimizer step on {DEVICE.type} (median)")
+    columns = ("model", "optimizer", "step ms", "ours / torch.optim.Muon", "NS % of matmul peak", "x the NS limit")
+    for column in columns:
         table.add_column(column, justify="left" if column in ("model", "optimizer") else "right")
     for row in rows:
         torch_row = next(r for r in rows if r["model"] == row["model"] and r["optimizer"].startswith("torch.optim.Muon"))
         ratio = f"{row['seconds'] / torch_row['seconds']:.2f}" if row["optimizer"].startswith("lightning_muon") else ""
         if "Muon" in row["optimizer"]:
             peak = peaks[torch.float32 if "fp32" in row["optimizer"] else torch.bfloat16]
-            share = f"{100 * row['ns_flops'] / row['seconds'] / peak:.0f}%"
+            limit = row["ns_flops"] / peak  # seconds of Newton-Schulz alone at the peak: the shortest step
+            share, multiple = f"{100 * limit / row['seconds']:.0f}%", f"{row['seconds'] / limit:.2f}"
         else:
-            share = ""
-        table.add_row(row["model"], row["optimizer"], f"{1e3 * row['seconds']:.2f}", ratio, share)
+            share = multiple = ""
+        table.add_row(row["model"], row["optimizer"], f"{1e3 * row['seconds']:.2f}", ratio, share, multiple)
     return table
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Optimizer step time, ours against torch.optim.Muon and AdamW.")
     parser.add_argument("--quick", action="store_true", help="width-128 only")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
+                        help="matrix sets to run (default: gpt2-small width-128)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or an accelerator such as cuda")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per optimizer (median reported)")
     parser.add_argument("--no-write", action="store_true", help="print only, do not write the results file")
     args = parser.parse_args(argv)
 
-    models = ["width-128"] if args.quick else list(MODELS)
-    console = Console()
-    peaks = {dtype: matmul_peak(dtype) for dtype in (torch.bfloat16, torch.float32)}
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    models = args.models or (["width-128"] if args.quick else ["gpt2-small", "width-128"])
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    n = 2048 if DEVICE.type == "cpu" else 8192
+    peaks = {dtype: matmul_peak(dtype, n) for dtype in (torch.bfloat16, torch.float32)}
     rows: list[dict] = []
     with Progress(console=console, transient=True) as progress:
         for name in models:
@@ -138,22 +158,20 @@ def main(argv: list[str] | None = None) -> None:
             rows += bench_model(name, repeats, progress)
     table = render(rows, peaks)
     console.print(table)
-    machine = (
-        f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"CPU capability {torch.backends.cpu.get_cpu_capability()}; matmul peak "
-        f"bf16 {peaks[torch.bfloat16] / 1e9:.0f} GFLOP/s, fp32 {peaks[torch.float32] / 1e9:.0f} GFLOP/s"
+    device = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else DEVICE.type
+    details = (
+        f"{_report.machine()}, device {device}; matmul peak bf16 {peaks[torch.bfloat16] / 1e9:.0f} GFLOP/s, "
+        f"fp32 {peaks[torch.float32] / 1e9:.0f} GFLOP/s ({n}^3)"
     )
-    console.print(machine)
+    console.print(details)
     if not args.no_write:
-        buffer = io.StringIO()
-        Console(file=buffer, width=120, no_color=True, force_terminal=False).print(table)
-        command = "python benchmarks/optimizer_step.py" + " ".join([""] + (argv if argv is not None else sys.argv[1:]))
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(
-            f"# Optimizer step\n\n`{command}` on {datetime.date.today()}: {machine}.\n\n"
-            f"```\n{buffer.getvalue()}```\n"
+        notes = (
+            "The NS limit is the Newton-Schulz FLOPs of one step over the measured matmul peak in the NS dtype: "
+            "the step if Newton-Schulz ran at the peak and everything else took no time.\n"
         )
-        console.print(f"wrote {RESULTS}")
+        name = "optimizer_step" if DEVICE.type == "cpu" else f"optimizer_step_{DEVICE.type}"
+        path = _report.write(name, "Optimizer step", _report.command("optimizer_step.py", argv), details, [table], notes)
+        console.print(f"wrote {path}")
 
 
 if __name__ == "__main__":

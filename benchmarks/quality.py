@@ -32,7 +32,6 @@ import datetime
 import io
 import os
 import platform
-import re
 import shlex
 import shutil
 import subprocess
@@ -48,13 +47,15 @@ import numpy as np
 from rich.console import Console
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import _report  # noqa: E402
 
 from lightning_muon.compare import Run, fit_arguments, load_run, steps_to_reach  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-RESULTS_MD = ROOT / "benchmarks" / "RESULTS.md"
 GPT_MUON, GPT_ADAMW, CNN = "configs/gpt_muon.yaml", "configs/gpt_adamw.yaml", "configs/cnn_muon.yaml"
 MUON_LR = "--model.init_args.muon.init_args.lr"
 ADAMW_LR = "--model.init_args.adamw.init_args.lr"
@@ -332,19 +333,6 @@ def machine_line(load_before: tuple[float, float, float] | None) -> str:
             f"{datetime.date.today().isoformat()}")
 
 
-def update_results_md(key: str, section: str) -> None:
-    """Replace (or append) the ``key`` section of ``benchmarks/RESULTS.md``, between its markers."""
-    start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
-    text = RESULTS_MD.read_text() if RESULTS_MD.is_file() else (
-        "# Benchmark results\n\nOne section per benchmark, each written by the script named in it. Speed "
-        "benchmarks write their own tables too: [optimizer step](results/optimizer_step.md), "
-        "[manual-loop overhead](results/overhead.md), [distributed](results/distributed.md).\n")
-    block = f"{start}\n{section.strip()}\n{end}"
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
-    RESULTS_MD.write_text(text)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, lrs and seeds: under 10 min on 2 cores")
@@ -443,9 +431,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     section = "\n".join([title, "", *body])
     md = RESULTS / f"quality{suffix}.md"
     md.write_text(section.replace("## ", "# ", 1).replace("](results/", "](") + "\n")
-    update_results_md(f"quality{suffix}", section)
+    _report.update_section(f"quality{suffix}", section)
     console.print(section, markup=False, highlight=False, soft_wrap=True)
-    console.print(f"Wrote {md}, {png} and {RESULTS_MD} in {elapsed / 60:.1f} min")
+    console.print(f"Wrote {md}, {png} and {_report.RESULTS_MD} in {elapsed / 60:.1f} min")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_muon.monitor import require_logger
+from lightning_muon.monitor import check_optional_count, require_logger
 
 __all__ = ["WallClock", "count_tokens"]
 
@@ -79,10 +79,7 @@ class WallClock(Callback):
     """
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise MisconfigurationException(f"log_every_n_steps must be None or an int >= 1, got {log_every_n_steps!r}")
+        check_optional_count("log_every_n_steps", log_every_n_steps)
         self.log_every_n_steps = log_every_n_steps
         self._reset()
 

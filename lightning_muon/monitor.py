@@ -11,7 +11,8 @@ Every ``log_every_n_steps`` updates it logs, in `LearningRateMonitor`'s key sche
   ``muon/orthogonality_error_max``: for the update ``O`` of one matrix,
   ``||O O^T - I_r||_F / sqrt(r)`` with ``r = min(m, n)``;
 - ``muon/update_rms``: RMS of the applied update (``effective_lr * O``);
-- ``muon/skipped_steps`` once `MuonMixin` has skipped an update.
+- ``muon/skipped_steps`` once `MuonMixin` has skipped an update (the same cumulative
+  count the mixin logs itself at the trainer's ``log_every_n_steps``).
 
 The orthogonality numbers come from `lightning_muon.Muon` itself, which
 records them during the logging step only (one ``r x r`` Gram matrix per
@@ -37,7 +38,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_muon.metrics import OrthogonalityError, UpdateRMS
-from lightning_muon.muon import Muon, adjust_lr, matrix_shape
+from lightning_muon.muon import Muon, adjust_lr, matrix_shape, scalar
 from lightning_muon.newton_schulz import orthogonality_error, zeropower_via_newtonschulz
 
 __all__ = ["MuonMonitor", "lr_keys"]
@@ -79,8 +80,10 @@ def _is_muon(optimizer: Optimizer) -> bool:
     return isinstance(optimizer, (Muon, torch.optim.Muon))
 
 
-def _scalar(x: float | Tensor) -> float:
-    return x.item() if isinstance(x, Tensor) else float(x)
+def check_optional_count(name: str, value: Any) -> None:
+    """Refuse anything but ``None`` or an int >= 1 (bools too), naming the argument."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise MisconfigurationException(f"{name} must be None or an int >= 1, got {value!r}")
 
 
 class MuonMonitor(Callback):
@@ -109,12 +112,8 @@ class MuonMonitor(Callback):
         per_parameter: bool = False,
         sample: int | None = None,
     ) -> None:
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise MisconfigurationException(f"log_every_n_steps must be None or an int >= 1, got {log_every_n_steps!r}")
-        if sample is not None and (isinstance(sample, bool) or not isinstance(sample, int) or sample < 1):
-            raise MisconfigurationException(f"sample must be None or an int >= 1, got {sample!r}")
+        check_optional_count("log_every_n_steps", log_every_n_steps)
+        check_optional_count("sample", sample)
         self.log_every_n_steps = log_every_n_steps
         self.orthogonality = orthogonality
         self.per_parameter = per_parameter
@@ -164,9 +163,9 @@ class MuonMonitor(Callback):
         metrics = {}
         for optimizer, keys in zip(self._optimizers, self._keys):
             for group, key in zip(optimizer.param_groups, keys):
-                metrics[key] = _scalar(group["lr"])
+                metrics[key] = scalar(group["lr"])
         effective = [
-            adjust_lr(_scalar(g["lr"]), g["adjust_lr_fn"], p.shape)
+            adjust_lr(scalar(g["lr"]), g["adjust_lr_fn"], p.shape)
             for optimizer in self._muon
             for g in optimizer.param_groups
             for p in g["params"]
@@ -202,7 +201,7 @@ class MuonMonitor(Callback):
                     ns_steps=group["ns_steps"],
                     eps=group["eps"],
                 ).float()
-                lr = adjust_lr(_scalar(group["lr"]), group["adjust_lr_fn"], p.shape)
+                lr = adjust_lr(scalar(group["lr"]), group["adjust_lr_fn"], p.shape)
                 rms = O.square().mean().sqrt() * lr
                 results.append((self._names.get(id(p), "?"), orthogonality_error(O), rms, p.numel()))
         return results

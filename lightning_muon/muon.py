@@ -130,13 +130,14 @@ def _ns_dtype(group: dict[str, Any]) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype.removeprefix("torch."))
 
 
-def _scalar(x: float | Tensor) -> float:
-    return x.item() if isinstance(x, Tensor) else x
+def scalar(x: float | Tensor) -> float:
+    """A learning rate (or any 1-element number) as a Python float: ``lr`` may be a tensor."""
+    return x.item() if isinstance(x, Tensor) else float(x)
 
 
 def _step_lr(job: _Job) -> float:
     """The shape-adjusted learning rate of a job's matrices."""
-    return adjust_lr(_scalar(job.group["lr"]), job.group["adjust_lr_fn"], job.shape)
+    return adjust_lr(scalar(job.group["lr"]), job.group["adjust_lr_fn"], job.shape)
 
 
 def _ns_kwargs(group: dict[str, Any]) -> dict[str, Any]:
@@ -252,8 +253,8 @@ class Muon(Optimizer):
             "ns_dtype": _dtype_name(ns_dtype),
             "ns_batch_bytes": ns_batch_bytes,
         }
-        #: Under DDP (an initialised process group, replicated parameters), each rank orthogonalises
-        #: a share of the matrices and the results are all-gathered.
+        #: Split the Newton-Schulz work across ranks: under DDP each rank orthogonalises a share of the
+        #: matrices (results all-gathered); under FSDP2 each matrix is orthogonalised on one owner rank.
         self.split_ns = split_ns
         #: Bytes this rank sent in the last distributed step's exchanges (0 when nothing was exchanged).
         self.last_exchange_bytes = 0
@@ -301,7 +302,7 @@ class Muon(Optimizer):
         """The learning rate `param` really gets: its group's ``lr`` after `adjust_lr`."""
         for group in self.param_groups:
             if any(p is param for p in group["params"]):
-                return adjust_lr(_scalar(group["lr"]), group["adjust_lr_fn"], param.shape)
+                return adjust_lr(scalar(group["lr"]), group["adjust_lr_fn"], param.shape)
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not in this optimizer")
 
     # ------------------------------------------------------------- diagnostics
@@ -414,7 +415,7 @@ class Muon(Optimizer):
         layouts = [(len(job.params), job.shape, _ns_dtype(job.group)) for job in jobs]
         shards = [self._momentum(job) for job in local]
         whole = gather_to_owners(shards, owners, layouts, world)
-        results = {j: zeropower_via_newtonschulz(stack, **_ns_kwargs(jobs[j].group)) for j, stack in whole.items()}
+        results = {j: self._orthogonalise_stack(jobs[j].group, stack) for j, stack in whole.items()}
         device = local[0].params[0].device
         mine = scatter_from_owners(results, owners, layouts, world, device)
         self.last_exchange_bytes = sum(
@@ -457,7 +458,7 @@ class Muon(Optimizer):
 
     def _apply(self, job: _Job, orthogonal: list[Tensor], diagnose: Callable[[Tensor], bool] | None) -> None:
         """Decoupled weight decay with the base lr, then the shape-adjusted orthogonalised step."""
-        lr = _scalar(job.group["lr"])
+        lr = scalar(job.group["lr"])
         decay = 1 - lr * job.group["weight_decay"]
         step_lr = _step_lr(job)
         if decay != 1.0:
@@ -518,6 +519,13 @@ class Muon(Optimizer):
             return [zeropower_via_newtonschulz(updates[0].reshape(shape), **kwargs)]
         stack = torch.stack([u.reshape(shape) for u in updates])
         return list(zeropower_via_newtonschulz(stack, **kwargs).unbind(0))
+
+    @staticmethod
+    def _orthogonalise_stack(group: dict[str, Any], stack: Tensor) -> Tensor:
+        """Newton-Schulz of a ``(k, m, n)`` stack; a lone matrix takes the 2D path, as on one process."""
+        if len(stack) == 1:
+            return zeropower_via_newtonschulz(stack[0], **_ns_kwargs(group)).unsqueeze(0)
+        return zeropower_via_newtonschulz(stack, **_ns_kwargs(group))
 
     def _record(
         self, job: _Job, orthogonal: list[Tensor], step_lr: float, diagnose: Callable[[Tensor], bool]
