@@ -176,18 +176,22 @@ Layout = tuple[int, tuple[int, int], torch.dtype]
 
 
 def _all_to_all(
-    pieces: list[list[Tensor]], receive: list[list[tuple[tuple[int, int], torch.dtype]]], world: World, device
+    pieces: list[list[tuple[Tensor, torch.dtype]]],
+    receive: list[list[tuple[tuple[int, int], torch.dtype]]],
+    world: World,
+    device: torch.device,
 ) -> list[list[Tensor]]:
-    """Send ``pieces[d]`` (matrices, any dtypes) to each rank ``d``; receive matrices of the given shapes and
-    dtypes from each rank, in the order that rank sent them. One ``all_to_all_single`` of bytes."""
-    send_sizes = [sum(_padded(p.numel() * p.element_size()) for p in row) for row in pieces]
+    """Send ``pieces[d]`` (matrices, each with the dtype it travels in: cast while packing) to each rank
+    ``d``; receive matrices of the given shapes and dtypes from each rank, in the order that rank sent
+    them. One ``all_to_all_single`` of bytes."""
+    send_sizes = [sum(_padded(p.numel() * dtype.itemsize) for p, dtype in row) for row in pieces]
     receive_sizes = [sum(_padded(m * n * dtype.itemsize) for (m, n), dtype in row) for row in receive]
     send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
     offset = 0
     for row in pieces:
-        for piece in row:
-            nbytes = piece.numel() * piece.element_size()
-            send[offset : offset + nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
+        for piece, dtype in row:
+            nbytes = piece.numel() * dtype.itemsize
+            send[offset : offset + nbytes].view(dtype).view(piece.shape).copy_(piece)
             offset += _padded(nbytes)
     received = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=device)
     dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=world.group)
@@ -215,10 +219,10 @@ def gather_to_owners(
     Returns, for each job this rank owns, its matrices stacked whole: ``(count, m, n)`` in ``dtype``.
     """
     device = shards[0][0].device
-    pieces: list[list[Tensor]] = [[] for _ in range(world.size)]
+    pieces: list[list] = [[] for _ in range(world.size)]
     receive: list[list] = [[] for _ in range(world.size)]
     for job, (count, (m, n), dtype) in enumerate(layouts):
-        pieces[owners[job]].extend(shard.reshape(-1, n).to(dtype) for shard in shards[job])
+        pieces[owners[job]].extend((shard.reshape(-1, n), dtype) for shard in shards[job])
         if owners[job] == world.rank:
             for source, rows in enumerate(shard_rows(m, world.size)):
                 receive[source].extend([((rows, n), dtype)] * count)
@@ -251,7 +255,7 @@ def scatter_from_owners(
 
     Returns, per job, this rank's rows of each result (``(rows, n)`` views into one receive buffer).
     """
-    pieces: list[list[Tensor]] = [[] for _ in range(world.size)]
+    pieces: list[list] = [[] for _ in range(world.size)]
     receive: list[list] = [[] for _ in range(world.size)]
     for job, (count, (m, n), dtype) in enumerate(layouts):
         rows = shard_rows(m, world.size)
@@ -260,7 +264,7 @@ def scatter_from_owners(
             for i in range(count):
                 start = 0
                 for dest in range(world.size):
-                    pieces[dest].append(whole[job][i, start : start + rows[dest]])
+                    pieces[dest].append((whole[job][i, start : start + rows[dest]], dtype))
                     start += rows[dest]
     received = _all_to_all(pieces, receive, world, device)
     result, taken = [], [0] * world.size

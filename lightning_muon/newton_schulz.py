@@ -69,7 +69,9 @@ def zeropower_via_newtonschulz(
         raise ValueError(f"ns_steps must be in [0, 100), got {ns_steps}")
     a, b, c = ns_coefficients
     tall = G.size(-2) > G.size(-1)
-    X = G.to(dtype, copy=True)
+    # The 2D path normalises in place (as torch does), so it needs its own copy; the batched path's
+    # normalisation makes a new tensor anyway.
+    X = G.to(dtype, copy=G.ndim == 2)
     if tall:
         X = X.mT
     if X.ndim == 2:
