@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             "the step if Newton-Schulz ran at the peak and everything else took no time.\n"
         )
         name = "optimizer_step" if DEVICE.type == "cpu" else f"optimizer_step_{DEVICE.type}"
-        path = _report.write(name, "Optimizer step", _report.command("optimizer_step.py", argv), details, [table], notes)
+        path = _report.write(name, "Optimizer step" + ("" if DEVICE.type == "cpu" else f" ({device})"), _report.command("optimizer_step.py", argv), details, [table], notes)
         console.print(f"wrote {path}")
 
 

@@ -79,7 +79,10 @@ def sharded_world(params: Sequence[Tensor]) -> World | None:
         return None
     if any(p.device_mesh != mesh or tuple(p.placements) != (Shard(0),) for p in params):
         return None
-    return World(mesh.get_local_rank(), mesh.size(), mesh.get_group())
+    group = mesh.get_group()
+    if dist.get_rank(group) != mesh.get_local_rank():  # shards follow mesh order, collectives group order
+        return None
+    return World(mesh.get_local_rank(), mesh.size(), group)
 
 
 def any_rank(flags: list[bool], device: torch.device, group: dist.ProcessGroup | None = None) -> list[bool]:

@@ -362,11 +362,14 @@ class MuonMixin:
         """Backward of a non-final micro-batch: gradients accumulate locally, no cross-rank reduction.
 
         DDP through the strategy's ``no_sync``; FSDP2 (``fully_shard`` modules, which Lightning's
-        ``ModelParallelStrategy`` leaves alone here) through ``set_requires_gradient_sync``.
+        ``ModelParallelStrategy`` leaves alone here) through ``set_requires_gradient_sync``, switched
+        back on afterwards (the last micro-batch of an update always syncs).
         """
-        from torch.distributed.fsdp import FSDPModule
+        sharded = []
+        if torch.distributed.is_available():
+            from torch.distributed.fsdp import FSDPModule
 
-        sharded = [m for m in self.modules() if isinstance(m, FSDPModule)]
+            sharded = [m for m in self.modules() if isinstance(m, FSDPModule)]
         for module in sharded:
             module.set_requires_gradient_sync(False, recurse=False)
         strategy = self.trainer.strategy

@@ -256,7 +256,8 @@ class Muon(Optimizer):
         #: Split the Newton-Schulz work across ranks: under DDP each rank orthogonalises a share of the
         #: matrices (results all-gathered); under FSDP2 each matrix is orthogonalised on one owner rank.
         self.split_ns = split_ns
-        #: Bytes this rank sent in the last distributed step's exchanges (0 when nothing was exchanged).
+        #: Bytes this rank put into the last distributed step's exchanges, its share to itself included
+        #: (0 when nothing was exchanged).
         self.last_exchange_bytes = 0
         self._exchange_buffers: dict = {}
         self._diagnose: Callable[[Tensor], bool] | None = None
@@ -363,7 +364,7 @@ class Muon(Optimizer):
                 bufs.append(state["momentum_buffer"])
                 names.append(self._name(group, i, index + i) if diagnose is not None else "")
             index += len(group["params"])
-            for bucket in self._buckets(group, params, whole_dtensors=sharded is None):
+            for bucket in self._buckets(group, params, whole_dtensors=sharded is None, synced=bool(sharded or world)):
                 pick = [params[k] for k in bucket], [grads[k] for k in bucket], [bufs[k] for k in bucket]
                 jobs.append(_Job(group, *pick, [names[k] for k in bucket], matrix_shape(params[bucket[0]].shape)))
 
@@ -481,15 +482,20 @@ class Muon(Optimizer):
         return names[i] if names else f"{group.get('name', 'params')}.{index}"
 
     @staticmethod
-    def _buckets(group: dict[str, Any], params: list[Tensor], whole_dtensors: bool = True) -> list[list[int]]:
+    def _buckets(
+        group: dict[str, Any], params: list[Tensor], whole_dtensors: bool = True, synced: bool = False
+    ) -> list[list[int]]:
         """Indices of ``params`` in runs of same flattened shape, dtypes and device, within the byte cap.
 
         With ``whole_dtensors``, sharded (DTensor) matrices are orthogonalised one at a time, each
-        gathered whole on every rank (the fallback for layouts other than FSDP2's).
+        gathered whole on every rank (the fallback for layouts other than FSDP2's). ``synced`` (ranks
+        exchanging work) leaves gradient dtypes out: every rank must build the same buckets, and a
+        gradient missing on one rank is zeros there in the parameter's dtype.
         """
         same: dict[tuple, list[int]] = defaultdict(list)
         for k, p in enumerate(params):
-            key = (matrix_shape(p.shape), p.dtype, p.grad.dtype if p.grad is not None else p.dtype, p.device)
+            grad_dtype = p.grad.dtype if p.grad is not None and not synced else p.dtype
+            key = (matrix_shape(p.shape), p.dtype, grad_dtype, p.device)
             same[(*key, k) if whole_dtensors and is_dtensor(p) else key].append(k)
         buckets = []
         for (shape, _, _, device, *_), ks in same.items():

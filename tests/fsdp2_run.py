@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_distributed import MuonNet, SaveCheckpointAtEnd, SaveEveryRank, muon_factory  # noqa: E402
+from test_distributed import EndProcessGroup, MuonNet, SaveCheckpointAtEnd, SaveEveryRank, muon_factory  # noqa: E402
 
 
 class ShardedNet(MuonNet):
@@ -68,7 +68,7 @@ if __name__ == "__main__":
             adamw_params=["net.8.*"],
             accumulate_grad_batches=args.accumulate,
         )
-    callbacks = [SaveEveryRank(args.out)] + ([SaveCheckpointAtEnd(args.save)] if args.save else [])
+    callbacks = [SaveEveryRank(args.out), EndProcessGroup()] + ([SaveCheckpointAtEnd(args.save)] if args.save else [])
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
