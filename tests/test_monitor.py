@@ -58,12 +58,20 @@ class PlainMuon(Regression):
         return Muon(params, lr=0.02)
 
 
-def fit(tmp_path: Path, model: L.LightningModule, monitor: MuonMonitor, **kwargs) -> list[dict[str, str]]:
+def fit(
+    tmp_path: Path, model: L.LightningModule, monitor: MuonMonitor, end_process_group: bool = False, **kwargs
+) -> list[dict[str, str]]:
     kwargs = {"devices": 1, **kwargs}
+    if end_process_group:  # spawned DDP ranks: see test_distributed.EndProcessGroup
+        from test_distributed import EndProcessGroup
+
+        extra = [EndProcessGroup()]
+    else:
+        extra = []
     trainer = L.Trainer(
         accelerator="cpu",
         logger=CSVLogger(tmp_path, name="", version=""),
-        callbacks=[monitor],
+        callbacks=[monitor, *extra],
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
@@ -310,6 +318,7 @@ def test_two_process_ddp_logs_the_same_error_as_one_process(tmp_path):
         max_steps=4,
         strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo"),
         devices=2,
+        end_process_group=True,
     )
     for step in ("1", "3"):
         one = next(r for r in single if r["step"] == step and r.get("muon/orthogonality_error"))
