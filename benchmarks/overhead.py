@@ -80,8 +80,10 @@ class StepTimer(Callback):
         self.batches: list[float] = []
         self.optimizer_steps: dict[str, list[float]] = {}
         self.muon: Muon | None = None
+        self.params = 0
 
     def on_train_start(self, trainer, pl_module):
+        self.params = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         if pl_module.automatic_optimization:
             return  # Lightning's step(closure) runs forward and backward inside: not the optimizer alone
         for optimizer in trainer.optimizers:
@@ -118,10 +120,9 @@ def run(make, steps: int, warmup: int) -> tuple[list[float], dict[str, list[floa
     return timer.batches[warmup:], {k: v[warmup:] for k, v in timer.optimizer_steps.items()}, timer
 
 
-def flop_model(muon: Muon) -> tuple[float, float]:
+def flop_model(muon: Muon, params: int) -> tuple[float, float]:
     """(Newton-Schulz FLOPs of one step, 6 x params x tokens of one step's forward and backward)."""
     ns = sum(ns_flops(p.shape[0], p[0].numel(), g["ns_steps"]) for g in muon.param_groups for p in g["params"])
-    params = sum(p.numel() for p in CharGPT().parameters())
     return float(ns), 6.0 * params * BATCH * BLOCK
 
 
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             if steps:
                 for optimizer, t in steps.items():
                     optimizer_times.setdefault(optimizer, []).extend(t)
-                muon = timer.muon
+                muon, params = timer.muon, timer.params
 
     baseline = statistics.median(times[BASELINE])
     table = Table(title="char_gpt training step through Trainer (median)")
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         table.add_row(name, f"{1e3 * median:.1f}", f"{BATCH * BLOCK / median:,.0f}", f"{median / baseline:.3f}")
 
     muon_step = statistics.median(times["MuonMixin, Muon + AdamW (gpt_muon.yaml)"])
-    ns, model_flops = flop_model(muon)
+    ns, model_flops = flop_model(muon, params)
     shares = Table(title="Muon + AdamW run: the optimizers' share of the step against the FLOP model")
     for column in ("", "ms per step", "share of the step", "FLOP model share"):
         shares.add_column(column, justify="left" if not column else "right")

@@ -28,6 +28,17 @@ from lightning_muon.newton_schulz import zeropower_via_newtonschulz
 TOLERANCE = 1e-4
 
 
+def sine_regression_loader(trainer: L.Trainer, samples: int, batch_size: int) -> DataLoader:
+    """``samples`` fixed inputs of width 8 with target ``sin(sum(x))``, sharded without shuffling under DDP:
+    rank r takes samples r, r + W, ..., so W ranks' batches of B / W together are one process's batch of B."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 8, generator=g)
+    data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+    world, rank = trainer.world_size, trainer.global_rank
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+    return DataLoader(data, batch_size=batch_size, sampler=sampler)
+
+
 class Net(L.LightningModule):
     """Hidden matrices 16x8, 16x16 (twice: a batched job) and 24x16 on Muon; an optional sometimes-unused layer."""
 
@@ -49,12 +60,7 @@ class Net(L.LightningModule):
         return nn.functional.mse_loss(self.net[6:](h), y)
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(128, 8, generator=g)
-        data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
-        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+        return sine_regression_loader(self.trainer, samples=128, batch_size=self.batch_size)
 
 
 class MuonNet(MuonMixin, Net):

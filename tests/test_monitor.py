@@ -13,10 +13,10 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_muon import Muon, MuonMixin, MuonMonitor
 from lightning_muon.monitor import lr_keys
+from test_distributed import EndProcessGroup, sine_regression_loader
 
 
 class Regression(L.LightningModule):
@@ -31,14 +31,7 @@ class Regression(L.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(self.samples, 8, generator=g)
-        data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
-        # Unshuffled shards under DDP: rank r takes samples r, r + W, ..., so W ranks' batches of B / W
-        # together are exactly one process's batch of B.
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
-        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+        return sine_regression_loader(self.trainer, samples=self.samples, batch_size=self.batch_size)
 
 
 class MuonRegression(MuonMixin, Regression):
@@ -62,12 +55,7 @@ def fit(
     tmp_path: Path, model: L.LightningModule, monitor: MuonMonitor, end_process_group: bool = False, **kwargs
 ) -> list[dict[str, str]]:
     kwargs = {"devices": 1, **kwargs}
-    if end_process_group:  # spawned DDP ranks: see test_distributed.EndProcessGroup
-        from test_distributed import EndProcessGroup
-
-        extra = [EndProcessGroup()]
-    else:
-        extra = []
+    extra = [EndProcessGroup()] if end_process_group else []  # spawned DDP ranks: see its docstring
     trainer = L.Trainer(
         accelerator="cpu",
         logger=CSVLogger(tmp_path, name="", version=""),
