@@ -42,7 +42,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).parent))
 import _report  # noqa: E402
 
-import lightning_muon.muon as muon_module  # noqa: E402
+import lightning_muon.optim._update as muon_module  # noqa: E402
 from lightning_muon import Muon  # noqa: E402
 
 WORLD = 2

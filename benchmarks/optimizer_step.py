@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _report  # noqa: E402
 
 import lightning_muon  # noqa: E402
-from lightning_muon.newton_schulz import ns_flops  # noqa: E402
+from lightning_muon.optim.newton_schulz import ns_flops  # noqa: E402
 
 MODELS = {
     "gpt2-small": (12, 768),

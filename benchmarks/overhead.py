@@ -45,7 +45,7 @@ import _report  # noqa: E402
 from examples.char_gpt import GPT, CharGPT, StdlibTextDataModule  # noqa: E402
 
 from lightning_muon import Muon  # noqa: E402
-from lightning_muon.newton_schulz import ns_flops  # noqa: E402
+from lightning_muon.optim.newton_schulz import ns_flops  # noqa: E402
 
 #: configs/gpt_adamw.yaml's AdamW (the baseline), configs/gpt_muon.yaml's pair.
 BASELINE_ADAMW = {"lr": 0.00075, "betas": (0.9, 0.95), "weight_decay": 0.0}

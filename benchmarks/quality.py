@@ -8,9 +8,9 @@ Two examples, both through the real configs:
   embeddings, norms and head left at the config's), then more seeds at each side's
   best lr, all for the same number of steps. Every fit is a subprocess of
   ``python -m lightning_muon fit --config ... --seed_everything N
-  --data.init_args.seed N ...`` with `lightning_muon.clock.WallClock` for time and
-  tokens (the arguments `lightning_muon.compare.fit_arguments` gives), and the logs
-  are read with `lightning_muon.compare.load_run`.
+  --data.init_args.seed N ...`` with `lightning_muon.WallClock` for time and
+  tokens (the arguments `lightning_muon.commands.compare.fit_arguments` gives), and the logs
+  are read with `lightning_muon.commands.compare.load_run`.
   Reported: final val loss (mean, std, min-max over seeds), the step and the train
   time at which the Muon side's mean curve first reaches the AdamW side's mean final
   val loss, and tokens/s.
@@ -53,7 +53,7 @@ for path in (ROOT, ROOT / "benchmarks"):
 
 import _report  # noqa: E402
 
-from lightning_muon.compare import Run, fit_arguments, load_run, steps_to_reach  # noqa: E402
+from lightning_muon.commands.compare import Run, fit_arguments, load_run, steps_to_reach  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GPT_MUON, GPT_ADAMW, CNN = "configs/gpt_muon.yaml", "configs/gpt_adamw.yaml", "configs/cnn_muon.yaml"
@@ -253,7 +253,7 @@ def cnn_test_accuracy(seed: int, adamw_lr: float | None, log_dir: Path) -> float
     """Fit ``configs/cnn_muon.yaml`` (AdamW-only at ``adamw_lr`` when given) and test it, in process."""
     import lightning as L  # noqa: F401  (imported before the CLI, as the command does)
 
-    from lightning_muon.cli import MuonCLI
+    from lightning_muon.commands.lightning_cli import MuonCLI
 
     args = ["--config", CNN, "--seed_everything", str(seed), "--data.init_args.seed", "0",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",

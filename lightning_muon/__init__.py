@@ -1,11 +1,20 @@
-"""lightning_muon: the Muon optimizer as a one-line change for PyTorch Lightning."""
+"""lightning_muon: the Muon optimizer as a one-line change for PyTorch Lightning.
 
-from lightning_muon.mixin import MuonMixin
-from lightning_muon.monitor import MuonMonitor
-from lightning_muon.muon import Muon, ParamDiagnostics, adjust_lr
-from lightning_muon.newton_schulz import orthogonality_error, zeropower_via_newtonschulz
+The public API is what this module exports; everything else (modules and names
+starting with ``_``, and the subpackages' internals) may change between releases.
+"""
+
+from lightning_muon.callbacks import MuonMonitor, WallClock
+from lightning_muon.lightning import MuonMixin
+from lightning_muon.optim import (
+    Muon,
+    ParamDiagnostics,
+    WarmupCosine,
+    adjust_lr,
+    orthogonality_error,
+    zeropower_via_newtonschulz,
+)
 from lightning_muon.routing import Routing, route_parameters
-from lightning_muon.schedulers import WarmupCosine
 
 __all__ = [
     "Muon",
@@ -13,6 +22,7 @@ __all__ = [
     "MuonMonitor",
     "ParamDiagnostics",
     "Routing",
+    "WallClock",
     "WarmupCosine",
     "adjust_lr",
     "orthogonality_error",

@@ -1,6 +1,6 @@
 """``python -m lightning_muon``: the same command as ``lightning-muon``."""
 
-from lightning_muon.cli import main
+from lightning_muon.commands.cli import main
 
 if __name__ == "__main__":
     main()

@@ -259,5 +259,6 @@ def route_parameters(
         routes.append(Route(name, shape, *route))
 
     routed = [r.name for r in routes]
-    assert sorted(routed) == sorted(trainable) and len(set(routed)) == len(routed), "every parameter routed once"
+    if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's
+        raise RuntimeError(f"lightning_muon routed {sorted(routed)} for the trainable parameters {sorted(trainable)}")
     return Routing(routes=routes, params=trainable)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_muon.cli import config_chain, main
+from lightning_muon.commands.cli import main
+from lightning_muon.commands.config_files import config_chain
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -11,9 +11,9 @@ import yaml
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_muon.cli import main
-from lightning_muon.clock import WallClock, count_tokens
-from lightning_muon.compare import (
+from lightning_muon.commands.cli import main
+from lightning_muon.callbacks.clock import WallClock, count_tokens
+from lightning_muon.commands.compare import (
     CLOCK,
     Run,
     baseline_index,

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_muon import Muon, MuonMixin
-from lightning_muon.distributed import assign_owners, is_dtensor
-from lightning_muon.newton_schulz import zeropower_via_newtonschulz
+from lightning_muon.optim._collectives import assign_owners, is_dtensor
+from lightning_muon.optim.newton_schulz import zeropower_via_newtonschulz
 
 #: 2 ranks x batch 4 and 1 process x batch 8 differ only in float32 summation order; fp32 Newton-Schulz
 #: keeps 10 updates of that within this.

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_muon import Muon, MuonMixin, WarmupCosine
+from lightning_muon.lightning import _checkpoint
 
 
 def trainer(tmp_path: Path, **kwargs) -> L.Trainer:
@@ -283,7 +284,7 @@ def test_hyperparameters_are_plain_data(tmp_path):
 
 def test_routing_order_differences_are_refused():
     model = MuonRegression()
-    names = model._optimizer_names()
+    names = _checkpoint.optimizer_names(model.muon_routing(), model.muon_enabled)
     checkpoint = {
         "lightning_muon": {
             "routing": {"Muon": names["Muon"][::-1], "AdamW": names["AdamW"]},

@@ -190,7 +190,7 @@ def test_16_mixed_cpu_scaler_one_update_same_scale_and_overflow_skips_both(tmp_p
         trainer.fit(model)
     # An fp16 overflow is the scaler's business: no "skipped" warning, no count toward max_consecutive_skips.
     assert not [w for w in rec if "skipped an update" in str(w.message)]
-    assert model._consecutive_skips == 0
+    assert model._muon_loop.consecutive_skips == 0
 
     assert trainer.global_step == 6
     assert dtypes == [torch.float16] * 6  # really fp16 autocast, not a silent bf16
@@ -205,7 +205,7 @@ def test_16_mixed_cpu_scaler_one_update_same_scale_and_overflow_skips_both(tmp_p
 
     # The overflow was in one Muon matrix only, yet BOTH optimizers skipped: nothing moved on batch 2.
     assert recorder.changed(2) == set()
-    assert model.skipped_updates == 1
+    assert model.muon_skipped_updates == 1
     everything = set(MUON_NAMES + ADAMW_NAMES)
     for step in (0, 1, 3, 4, 5):  # and every other update moved every parameter, including right after
         assert recorder.changed(step) == everything, step
@@ -249,8 +249,8 @@ def test_nan_gradient_32_true_skips_both_optimizers_warns_and_logs(tmp_path):
         assert name in message
 
     assert trainer.global_step == 5  # the skipped update still counts as a step
-    assert model.skipped_updates == 1
-    assert model._consecutive_skips == 0  # reset by the next good update
+    assert model.muon_skipped_updates == 1
+    assert model._muon_loop.consecutive_skips == 0  # reset by the next good update
     # Batch 2: not one weight moved, bitwise, and neither optimizer's state changed.
     assert recorder.changed(2) == set()
     muon_before, adamw_before = recorder.states_before[2]
@@ -286,7 +286,7 @@ def test_nan_every_step_stops_after_max_consecutive_skips(tmp_path):
         with pytest.raises(RuntimeError, match=r"3 updates in a row had non-finite gradients \(in .*net\.0\.weight"):
             trainer.fit(model)
     assert sum("MuonMixin skipped an update" in str(w.message) for w in rec) == 2  # updates 1 and 2 warned
-    assert model.skipped_updates == 3
+    assert model.muon_skipped_updates == 3
     assert len(recorder.before) == 3  # the third batch raised
     final = snapshot(model)
     assert all(torch.equal(initial[n], final[n]) for n in initial)  # no weight ever changed
@@ -327,7 +327,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, two_epoch_run
     assert [n for g in adamw_state["param_groups"] for n in g["param_names"]] == ADAMW_NAMES
     hparams = checkpoint["hyper_parameters"]
     assert hparams["lr_scheduler"] == {
-        "class_path": "lightning_muon.schedulers.WarmupCosine",
+        "class_path": "lightning_muon.WarmupCosine",
         "init_args": {"warmup_steps": 2},
     }
     assert hparams["muon"]["class_path"] == "lightning_muon.Muon"
@@ -355,12 +355,12 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, two_epoch_run
 def test_load_from_checkpoint_rebuilds_the_same_configuration(two_epoch_run):
     loaded = Model.load_from_checkpoint(two_epoch_run["ckpt"], weights_only=True)
     original = two_epoch_run["model"]
-    assert loaded._muon_settings == original._muon_settings
-    assert isinstance(loaded._muon_factories["lr_scheduler"], functools.partial)
-    assert loaded._muon_factories["lr_scheduler"].func is WarmupCosine
-    assert loaded._muon_factories["lr_scheduler"].keywords == {"warmup_steps": 2}
-    assert loaded._muon_factories["muon"].func is Muon
-    assert loaded._muon_factories["muon"].keywords == {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}
+    assert loaded._muon_config == original._muon_config
+    assert isinstance(loaded._muon_config.lr_scheduler_factory, functools.partial)
+    assert loaded._muon_config.lr_scheduler_factory.func is WarmupCosine
+    assert loaded._muon_config.lr_scheduler_factory.keywords == {"warmup_steps": 2}
+    assert loaded._muon_config.muon_factory.func is Muon
+    assert loaded._muon_config.muon_factory.keywords == {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}
 
 
 def test_resume_with_different_routing_is_refused(tmp_path, two_epoch_run):
@@ -740,6 +740,6 @@ def test_finite_gradients_with_an_overflowing_norm_are_clipped_not_skipped(tmp_p
         warnings.simplefilter("always")
         trainer.fit(model)
     assert not [w for w in rec if "skipped an update" in str(w.message)]
-    assert model.skipped_updates == 0
+    assert model.muon_skipped_updates == 0
     assert "net.2.weight" in recorder.changed(1)
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -15,7 +15,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_muon import Muon, MuonMixin, MuonMonitor
-from lightning_muon.monitor import lr_keys
+from lightning_muon.callbacks.monitor import lr_keys
+from lightning_muon.optim import _update
 from test_distributed import EndProcessGroup, sine_regression_loader
 
 
@@ -203,13 +204,13 @@ def test_effective_lr_equals_the_formula(tmp_path, adjust_lr_fn):
 
 def test_diagnostics_are_recorded_on_logging_steps_only(tmp_path, monkeypatch):
     calls: list[int] = []
-    original = Muon._record
+    original = _update.record
 
-    def spy(self, *args, **kwargs):
+    def spy(*args, **kwargs):
         calls.append(trainer_ref[0].global_step)
-        return original(self, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(Muon, "_record", spy)
+    monkeypatch.setattr(_update, "record", spy)
     trainer_ref = []
 
     class Remember(L.Callback):
@@ -222,7 +223,7 @@ def test_diagnostics_are_recorded_on_logging_steps_only(tmp_path, monkeypatch):
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, max_steps=12,
     )
     trainer.fit(model)
-    # _record runs once per shape bucket (16x8 and 24x16) during updates 4, 8 and 12 (global_step 3, 7, 11 then).
+    # record runs once per shape bucket (16x8 and 24x16) during updates 4, 8 and 12 (global_step 3, 7, 11 then).
     assert calls == [3, 3, 7, 7, 11, 11]
 
 

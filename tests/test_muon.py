@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr as torch_adjust_lr
 
-import lightning_muon.muon as muon_module
+import lightning_muon.optim._update as muon_module
 from lightning_muon import Muon, ParamDiagnostics, adjust_lr, orthogonality_error, zeropower_via_newtonschulz
 
 #: tall, wide, square, and repeats of the same shapes (which the batched path stacks).
@@ -422,9 +422,9 @@ def test_no_diagnostics_unless_requested(monkeypatch):
     params = _params(SHAPES)
 
     def boom(*args, **kwargs):
-        raise AssertionError("_record ran without a request")
+        raise AssertionError("record ran without a request")
 
-    monkeypatch.setattr(Muon, "_record", boom)
+    monkeypatch.setattr(muon_module, "record", boom)
     opt = Muon(params, lr=LR)
     _train(opt, params, _grads(SHAPES, 3))
     assert opt.diagnostics == []

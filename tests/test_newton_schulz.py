@@ -1,4 +1,4 @@
-"""Tests of `lightning_muon.newton_schulz`: the Newton-Schulz iteration and the diagnostics that judge it.
+"""Tests of `lightning_muon.optim.newton_schulz`: the Newton-Schulz iteration and the diagnostics that judge it.
 
 Oracles: ``torch.optim._muon._zeropower_via_newtonschulz`` (bit-identical on 2D bf16),
 a float64 re-implementation of the same iteration written here, and SVDs.
@@ -13,7 +13,7 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_muon.newton_schulz import (
+from lightning_muon.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,

@@ -2,7 +2,7 @@
 
 Both real configs (``configs/gpt_muon.yaml`` and the tuned baseline
 ``configs/gpt_adamw.yaml``) are fitted through the real command
-(`lightning_muon.cli.main`, in process) for 100 steps at seed 0, everything
+(`lightning_muon.commands.cli.main`, in process) for 100 steps at seed 0, everything
 else as the configs say, and the final validation loss is read back from the
 CSV log. If Muon's lead falls under 0.2 nats, the mixin, the routing or the
 optimizer broke something (benchmarks/quality.py measures the full picture).
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) omits the root
     sys.path.insert(0, str(ROOT))
 
-from lightning_muon.cli import main  # noqa: E402
-from lightning_muon.compare import load_run  # noqa: E402
+from lightning_muon.commands.cli import main  # noqa: E402
+from lightning_muon.commands.compare import load_run  # noqa: E402
 
 STEPS = 100
 MARGIN = 0.2  # nats

@@ -29,13 +29,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_muon.monitor import check_optional_count, require_logger
+from lightning_muon.callbacks._checks import check_optional_count, require_logger
+from lightning_muon.lightning import _compat
 
-__all__ = ["WallClock", "count_tokens"]
+__all__ = ["WallClock"]
 
 
 def _first_tensor(batch: Any) -> Tensor | None:
@@ -75,7 +75,7 @@ class WallClock(Callback):
         trainer = L.Trainer(callbacks=[WallClock()], logger=CSVLogger("logs"))
         # metrics.csv gains time/elapsed_s, time/train_s, time/samples (and time/tokens)
 
-    or, from the command line, ``lightning-muon fit --config C --trainer.callbacks+=lightning_muon.clock.WallClock``.
+    or, from the command line, ``lightning-muon fit --config C --trainer.callbacks+=lightning_muon.WallClock``.
     """
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
@@ -117,7 +117,7 @@ class WallClock(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         require_logger(trainer, "WallClock")
         self._reset()
-        self._every = self.log_every_n_steps or trainer.log_every_n_steps
+        self._every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
         self._start = self._now(pl_module)
 
     @override
@@ -129,7 +129,7 @@ class WallClock(Callback):
         tokens = count_tokens(batch)
         if tokens is not None:
             self._tokens = (self._tokens or 0) + tokens * world
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # the step loggers give this batch's metrics
+        step = _compat.logger_step(trainer)  # the step loggers give this batch's metrics
         if (step + 1) % self._every == 0:
             self._log(trainer, pl_module, step)
 
@@ -137,7 +137,7 @@ class WallClock(Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or self._start is None:  # not timing a fit (sanity check, trainer.validate)
             return
-        self._log(trainer, pl_module, trainer.fit_loop.epoch_loop._batches_that_stepped)
+        self._log(trainer, pl_module, _compat.logger_step(trainer))
         self._validation_start = self._now(pl_module)
 
     @override
@@ -149,5 +149,5 @@ class WallClock(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The last step again if it was logged already: elapsed_s now includes the final validation.
-        self._log(trainer, pl_module, max(trainer.fit_loop.epoch_loop._batches_that_stepped - 1, 0), again=True)
+        self._log(trainer, pl_module, max(_compat.logger_step(trainer) - 1, 0), again=True)
         self._start = None

@@ -7,19 +7,22 @@ every matrix. Every rank must call ``compute()`` (it is a collective).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torchmetrics import Metric
-
-__all__ = ["OrthogonalityError", "UpdateRMS"]
 
 
 class OrthogonalityError(Metric):
     """Mean and max of per-matrix orthogonality errors ``||O O^T - I_r||_F / sqrt(r)``."""
 
     full_state_update = False
+    total: Tensor
+    count: Tensor
+    largest: Tensor
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.add_state("total", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
@@ -43,8 +46,10 @@ class UpdateRMS(Metric):
     """RMS over all elements of the applied updates (``effective_lr * O`` of each matrix)."""
 
     full_state_update = False
+    sum_squares: Tensor
+    numel: Tensor
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.add_state("sum_squares", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("numel", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")

@@ -11,8 +11,10 @@ Every ``log_every_n_steps`` updates it logs, in `LearningRateMonitor`'s key sche
   ``muon/orthogonality_error_max``: for the update ``O`` of one matrix,
   ``||O O^T - I_r||_F / sqrt(r)`` with ``r = min(m, n)``;
 - ``muon/update_rms``: RMS of the applied update (``effective_lr * O``);
-- ``muon/skipped_steps`` once `MuonMixin` has skipped an update (the same cumulative
-  count the mixin logs itself at the trainer's ``log_every_n_steps``).
+- ``muon/skipped_steps`` once `MuonMixin` has skipped an update: the mixin's count
+  (``muon_skipped_updates``), which the mixin logs itself at the trainer's
+  ``log_every_n_steps``; the monitor writes it into its own rows too, so every
+  row it writes is complete at the monitor's own interval.
 
 The orthogonality numbers come from `lightning_muon.Muon` itself, which
 records them during the logging step only (one ``r x r`` Gram matrix per
@@ -37,11 +39,16 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_muon.metrics import OrthogonalityError, UpdateRMS
-from lightning_muon.muon import Muon, adjust_lr, matrix_shape, scalar
-from lightning_muon.newton_schulz import orthogonality_error, zeropower_via_newtonschulz
+from lightning_muon.callbacks._checks import check_optional_count, require_logger
+from lightning_muon.callbacks.metrics import OrthogonalityError, UpdateRMS
+from lightning_muon.lightning import _compat
+from lightning_muon.lightning._update_loop import SKIPPED_STEPS_KEY
+from lightning_muon.lightning.mixin import MuonMixin
+from lightning_muon.optim._update import group_adjusted_lr, lr_value, preview_update
+from lightning_muon.optim.muon import Muon
+from lightning_muon.optim.newton_schulz import orthogonality_error
 
-__all__ = ["MuonMonitor", "lr_keys"]
+__all__ = ["MuonMonitor"]
 
 
 def lr_keys(optimizers: list[Optimizer]) -> list[list[str]]:
@@ -67,23 +74,8 @@ def lr_keys(optimizers: list[Optimizer]) -> list[list[str]]:
     return keys
 
 
-def require_logger(trainer: pl.Trainer, callback: str) -> None:
-    """Refuse, with the fix, a logging callback on a Trainer that has no logger."""
-    if not trainer.loggers:
-        raise MisconfigurationException(
-            f"Cannot use {callback} with a Trainer that has no logger: pass logger=CSVLogger(...) "
-            "(or any logger) to the Trainer, or remove the callback."
-        )
-
-
 def _is_muon(optimizer: Optimizer) -> bool:
     return isinstance(optimizer, (Muon, torch.optim.Muon))
-
-
-def check_optional_count(name: str, value: Any) -> None:
-    """Refuse anything but ``None`` or an int >= 1 (bools too), naming the argument."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise MisconfigurationException(f"{name} must be None or an int >= 1, got {value!r}")
 
 
 class MuonMonitor(Callback):
@@ -123,11 +115,12 @@ class MuonMonitor(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         require_logger(trainer, "MuonMonitor")
-        self._every = self.log_every_n_steps or trainer.log_every_n_steps
+        self._every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
         self._optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
         self._keys = lr_keys(self._optimizers)
         self._muon = [o for o in self._optimizers if _is_muon(o)]
-        if not self._muon and getattr(pl_module, "_muon_factories", {}).get("muon", 1) is not None:
+        baseline = isinstance(pl_module, MuonMixin) and not pl_module.muon_enabled
+        if not self._muon and not baseline:
             # (no warning for MuonMixin's muon=None baseline, where no Muon is the point)
             rank_zero_warn(
                 "MuonMonitor found no Muon optimizer (lightning_muon.Muon or torch.optim.Muon), so it logs "
@@ -143,7 +136,7 @@ class MuonMonitor(Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         optimizer = getattr(optimizer, "optimizer", optimizer)
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # index of this update, as loggers count
+        step = _compat.logger_step(trainer)  # index of this update, as loggers count
         if (step + 1) % self._every:
             return
         if self._pending is None or self._pending["step"] != step:
@@ -161,11 +154,11 @@ class MuonMonitor(Callback):
 
     def _learning_rates(self) -> dict[str, float]:
         metrics = {}
-        for optimizer, keys in zip(self._optimizers, self._keys):
-            for group, key in zip(optimizer.param_groups, keys):
-                metrics[key] = scalar(group["lr"])
+        for optimizer, keys in zip(self._optimizers, self._keys, strict=True):
+            for group, key in zip(optimizer.param_groups, keys, strict=True):
+                metrics[key] = lr_value(group["lr"])
         effective = [
-            adjust_lr(scalar(g["lr"]), g["adjust_lr_fn"], p.shape)
+            group_adjusted_lr(g, p.shape)
             for optimizer in self._muon
             for g in optimizer.param_groups
             for p in g["params"]
@@ -182,28 +175,17 @@ class MuonMonitor(Callback):
         start = (self._round * self.sample) % len(params)
         return [params[(start + i) % len(params)] for i in range(self.sample)]
 
-    @torch.no_grad()
     def _recompute(self, optimizer: Optimizer, chosen: list[Tensor]) -> list[tuple[str, Tensor, Tensor, int]]:
         """The update ``torch.optim.Muon`` is about to make, from its gradient and momentum buffer."""
         chosen_ids = {id(p) for p in chosen}
         results = []
         for group in optimizer.param_groups:
-            momentum = group["momentum"]
             for p in group["params"]:
                 if id(p) not in chosen_ids or p.grad is None:
                     continue
-                buf = optimizer.state[p].get("momentum_buffer", torch.zeros_like(p.grad))
-                buf = buf.lerp(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                O = zeropower_via_newtonschulz(
-                    update.reshape(matrix_shape(p.shape)),
-                    ns_coefficients=group["ns_coefficients"],
-                    ns_steps=group["ns_steps"],
-                    eps=group["eps"],
-                ).float()
-                lr = adjust_lr(scalar(group["lr"]), group["adjust_lr_fn"], p.shape)
-                rms = O.square().mean().sqrt() * lr
-                results.append((self._names.get(id(p), "?"), orthogonality_error(O), rms, p.numel()))
+                update = preview_update(group, p.grad, optimizer.state[p].get("momentum_buffer"))
+                rms = update.square().mean().sqrt() * group_adjusted_lr(group, p.shape)
+                results.append((self._names.get(id(p), "?"), orthogonality_error(update), rms, p.numel()))
         return results
 
     # ---------------------------------------------------------------- logging
@@ -241,8 +223,7 @@ class MuonMonitor(Callback):
             if self.per_parameter:
                 for name, error, _, _ in diagnosed:
                     metrics[f"muon/orthogonality_error/{name}"] = error.item()
-        skipped = getattr(pl_module, "skipped_updates", 0)
-        if skipped:
-            metrics["muon/skipped_steps"] = float(skipped)
+        if isinstance(pl_module, MuonMixin) and pl_module.muon_skipped_updates:
+            metrics[SKIPPED_STEPS_KEY] = float(pl_module.muon_skipped_updates)
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=pending["step"])

@@ -1,4 +1,4 @@
-"""Splitting Muon's Newton-Schulz work across data-parallel ranks, and DTensor (FSDP2) support.
+"""The collectives of Muon's distributed strategies: which world, who owns what, and the byte exchanges.
 
 Under DDP every rank holds the same averaged gradients, so orthogonalising
 every matrix on every rank repeats the work ``world`` times. Instead each rank
@@ -23,19 +23,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-__all__ = [
-    "World",
-    "replicated_world",
-    "sharded_world",
-    "any_rank",
-    "assign_owners",
-    "exchange",
-    "shard_rows",
-    "gather_to_owners",
-    "scatter_from_owners",
-    "is_dtensor",
-]
 
 #: Each matrix's bytes start on this boundary in the exchange buffer, so any dtype can view them.
 _ALIGN = 8
@@ -110,7 +97,7 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def exchange(
+def all_gather_results(
     local: dict[int, list[Tensor]],
     owners: Sequence[int],
     layouts: Sequence[tuple[int, tuple[int, int], torch.dtype]],

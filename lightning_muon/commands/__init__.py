@@ -1,0 +1,1 @@
+"""The ``lightning`` / ``lightning-muon`` command: `cli` dispatches to one module per subcommand."""

@@ -1,0 +1,270 @@
+"""``lightning-muon compare``: fit several configs and compare their validation loss by step and by wall-clock time.
+
+    lightning-muon compare configs/gpt_muon.yaml configs/gpt_adamw.yaml --out benchmarks/results/compare
+    lightning-muon compare --from-logs OUT/lightning_logs/gpt_muon OUT/lightning_logs/gpt_adamw   # no training
+
+Each config is fitted by the real command (``python -m lightning_muon fit
+--config CONFIG ...``, one subprocess per config, so DDP configs work as they
+do on their own), with:
+
+- a CSVLogger writing to ``OUT/lightning_logs/<config name>/`` (emptied first);
+- the `lightning_muon.WallClock` callback added to the config's own
+  (``--trainer.callbacks+=``), for the time and tokens seen at every step;
+- validation every ``max_steps / --val_points`` steps (12 points by default,
+  ``--trainer.check_val_every_n_epoch null``), unless a
+  ``--trainer.val_check_interval`` is given;
+- no checkpoints (unless the config has a ``ModelCheckpoint`` of its own);
+- ``--trainer.max_steps N`` from ``--max_steps N``, and every other
+  ``--key value`` argument given to ``compare`` passed on unchanged
+  (``--trainer.limit_val_batches 5``, ``--seed_everything 1``, ...).
+
+Then it writes ``OUT/comparison.png`` (validation loss against step and
+against training time, one line per run) and ``OUT/comparison.md`` (final
+validation loss and bits per byte, the step and time at which each run first
+reaches the baseline's final validation loss, training time, wall time,
+tokens/s, and the command line), and prints the table. The baseline is the run
+whose model has ``muon: null`` (read from the ``config.yaml`` LightningCLI
+saves with the logs), else the last run, or the one named by ``--baseline``.
+
+The functions that read logs and compute the table are pure and take plain
+data, for tests and for use from Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from lightning_muon.commands.compare.plot import plot_comparison
+from lightning_muon.commands.compare.report import Row, baseline_index, markdown_report, rich_table, summarize
+from lightning_muon.commands.compare.runs import VAL_LOSS, Run, load_run
+from lightning_muon.commands.config_files import config_chain, merged_config
+
+#: The callback ``compare`` adds to every fit.
+CLOCK = "lightning_muon.WallClock"
+
+
+def val_check_interval(max_steps: int, points: int) -> int:
+    """Validate every this many steps to get about ``points`` validations in ``max_steps``.
+
+    A divisor of ``max_steps`` when one gives between half and twice
+    ``points`` validations (so the last one is at the last step); else
+    ``round(max_steps / points)``.
+    """
+    if max_steps < 1 or points < 1:
+        raise ValueError(f"max_steps and points must be >= 1, got {max_steps} and {points}")
+    ideal = max_steps / points
+    divisors = [d for d in range(1, max_steps + 1) if max_steps % d == 0 and points / 2 <= max_steps / d <= 2 * points]
+    if divisors:
+        return min(divisors, key=lambda d: (abs(d - ideal), d))
+    return max(1, round(ideal))
+
+
+def _given(overrides: Sequence[str], key: str) -> str | None:
+    """The value of ``--key value`` or ``--key=value`` among the overrides (the last one), else None."""
+    value = None
+    for i, arg in enumerate(overrides):
+        if arg == f"--{key}" and i + 1 < len(overrides):
+            value = overrides[i + 1]
+        elif arg.startswith(f"--{key}="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def _callback_paths(config: dict[str, Any]) -> list[str]:
+    """The class paths of the config's ``trainer.callbacks`` (a list, or a single callback)."""
+    callbacks = (config.get("trainer") or {}).get("callbacks") or []
+    if not isinstance(callbacks, list):
+        callbacks = [callbacks]
+    return [c.get("class_path", "") if isinstance(c, dict) else str(c) for c in callbacks]
+
+
+def fit_arguments(
+    config: str | os.PathLike,
+    log_root: str | os.PathLike,
+    name: str,
+    overrides: Sequence[str] = (),
+    max_steps: int | None = None,
+    val_points: int = 12,
+) -> list[str]:
+    """The arguments of ``lightning-muon fit`` for one run of ``compare`` (see the module docstring)."""
+    merged = merged_config(config)
+    callbacks = _callback_paths(merged)
+    args = ["--config", str(config)]
+    if max_steps is not None:
+        args += ["--trainer.max_steps", str(max_steps)]
+    args += list(overrides)
+    steps = max_steps or _given(overrides, "trainer.max_steps") or (merged.get("trainer") or {}).get("max_steps")
+    steps = int(steps) if steps not in (None, "null") else -1
+    if steps > 0 and _given(overrides, "trainer.val_check_interval") is None:
+        args += [
+            "--trainer.val_check_interval", str(val_check_interval(steps, val_points)),
+            "--trainer.check_val_every_n_epoch", "null",  # the interval counts steps across epochs
+        ]
+    if _given(overrides, "trainer.enable_checkpointing") is None and not any(p.endswith("ModelCheckpoint") for p in callbacks):
+        args += ["--trainer.enable_checkpointing", "false"]
+    if not any(p.endswith("WallClock") for p in callbacks) and not any("WallClock" in a for a in overrides):
+        args += [f"--trainer.callbacks+={CLOCK}"]
+    args += [  # last: compare reads the logs from here
+        "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.init_args.save_dir", str(log_root),
+        "--trainer.logger.init_args.name=",
+        "--trainer.logger.init_args.version", name,
+    ]
+    return args
+
+
+def _unique_names(configs: Sequence[str]) -> list[str]:
+    names: list[str] = []
+    for config in configs:
+        stem = Path(config).stem
+        name, n = stem, 1
+        while name in names:
+            n += 1
+            name = f"{stem}-{n}"
+        names.append(name)
+    return names
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+_OWN = {"-h", "--help", "--out", "--max_steps", "--max-steps", "--val_points", "--val-points",
+        "--from-logs", "--from_logs", "--baseline"}
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``compare``'s own arguments, and the ``--key value`` overrides meant for every fit (also all after ``--``)."""
+    own: list[str] = []
+    overrides: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            overrides += argv[i + 1 :]
+            break
+        if arg.startswith("--") and arg.split("=", 1)[0] not in _OWN:
+            overrides.append(arg)
+            if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                overrides.append(argv[i + 1])
+                i += 1
+        else:
+            own.append(arg)
+        i += 1
+    return own, overrides
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-muon compare",
+        description=(
+            "Fit each config (with a wall clock and frequent validation), then plot and tabulate their validation "
+            "loss by step and by training time, against a baseline (the config with model.muon: null, else the "
+            "last). Any other --key value argument goes to every fit, e.g. --trainer.limit_val_batches 5."
+        ),
+        epilog="example: lightning-muon compare configs/gpt_muon.yaml configs/gpt_adamw.yaml --out results/compare",
+    )
+    parser.add_argument("configs", nargs="*", metavar="CONFIG", help="LightningCLI config files to fit")
+    parser.add_argument("--out", default="lightning_logs/compare",
+                        help="where comparison.png, comparison.md and the runs' logs go (default: %(default)s)")
+    parser.add_argument("--max_steps", "--max-steps", type=int, default=None,
+                        help="trainer.max_steps for every fit (default: each config's)")
+    parser.add_argument("--val_points", "--val-points", type=int, default=12,
+                        help="validations per run, when no --trainer.val_check_interval is given (default: 12)")
+    parser.add_argument("--from-logs", "--from_logs", nargs="+", default=[], metavar="DIR", dest="from_logs",
+                        help="also compare these CSVLogger directories, without training")
+    parser.add_argument("--baseline", default=None, metavar="NAME", help="the run to measure against, by name")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    """``lightning-muon compare``: fit, read the logs, write ``comparison.png`` and ``.md``, print the table."""
+    argv = list(sys.argv[2:] if argv is None else argv)
+    own, overrides = split_overrides(argv)
+    parser = _parser()
+    args = parser.parse_args(own)
+    if not args.configs and not args.from_logs:
+        parser.error("give at least one CONFIG to fit, or --from-logs DIR")
+    if args.val_points < 1 or (args.max_steps is not None and args.max_steps < 1):
+        parser.error("--val_points and --max_steps must be >= 1")
+    if importlib.util.find_spec("matplotlib") is None:  # found out now, not after every fit has run
+        parser.error("compare draws its plot with matplotlib: pip install matplotlib (or lightning-muon[examples])")
+    console = Console(width=None if sys.stdout.isatty() else 160)  # the whole table when piped
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_root = out / "lightning_logs"  # a name .gitignore files usually ignore
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+
+    runs: list[Run] = []
+    fit_lines: list[str] = []
+    for config, name in zip(args.configs, _unique_names(args.configs)):
+        fit_args = fit_arguments(config, log_root, name, overrides, args.max_steps, args.val_points)
+        fit_lines.append(f"{name}: `{shlex.join(['lightning-muon', 'fit', *fit_args])}`")
+        shutil.rmtree(log_root / name, ignore_errors=True)
+        command = [sys.executable, "-m", "lightning_muon", "fit", *fit_args]
+        console.rule(f"compare: fitting {name}")
+        console.print(shlex.join(["lightning-muon", "fit", *fit_args]), soft_wrap=True, markup=False)
+        result = subprocess.run(command)
+        if result.returncode != 0:
+            raise SystemExit(
+                f"lightning-muon compare: the fit of {config} failed (exit code {result.returncode}); "
+                f"run it alone to see why: {shlex.join(['lightning-muon', 'fit', *fit_args])}"
+            )
+        runs.append(load_run(log_root / name, name))
+    for log_dir in args.from_logs:
+        runs.append(load_run(log_dir))
+    names = [r.name for r in runs]
+    for i, run in enumerate(runs):
+        if names.count(run.name) > 1:
+            runs[i] = replace(run, name=f"{run.name}-{names[: i + 1].count(run.name)}")
+    for run in runs:
+        if not run.val_loss:
+            console.print(f"[yellow]compare: {run.name} logged no {VAL_LOSS} ({run.source})[/yellow]")
+
+    baseline = baseline_index(runs, args.baseline)
+    if args.baseline is not None:
+        reason = "chosen with --baseline"
+    elif runs[baseline].muon is False:
+        reason = "its model has muon: null"
+    else:
+        reason = "the last run: no run's model has muon: null"
+    notes = [
+        f"Machine: {os.cpu_count()} CPU cores, {platform.platform(terse=True)}, Python {platform.python_version()}"
+        + _versions()
+        + (f"; load average (1/5/15 min) {_load(load_before)} before, {_load(os.getloadavg())} after"
+           if load_before else "")
+        + ". Times are noisy when other work shares the machine.",
+    ]
+    notes += [f"Fitted {line}" for line in fit_lines]
+    for run in runs[len(args.configs):]:
+        notes.append(f"{run.name}: read from {run.source}.")
+    png = plot_comparison(runs, baseline, out / "comparison.png")
+    command = shlex.join(["lightning-muon", "compare", *argv])
+    report = markdown_report(runs, baseline, command, notes, image=png.name, baseline_reason=reason)
+    (out / "comparison.md").write_text(report)
+    rows, target = summarize(runs, baseline)
+    console.print(rich_table(rows, target))
+    console.print(f"Wrote {png} and {out / 'comparison.md'}")
+    return rows
+
+
+def _load(load: tuple[float, float, float]) -> str:
+    return " ".join(f"{x:.2f}" for x in load)
+
+
+def _versions() -> str:
+    import lightning
+    import torch
+
+    return f", torch {torch.__version__}, lightning {lightning.__version__}"

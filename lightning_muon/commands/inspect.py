@@ -1,0 +1,33 @@
+"""``lightning-muon inspect --config FILE``: a config's parameter routing and effective lrs, without training."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from lightning_muon.commands.config_files import expand_configs
+from lightning_muon.commands.lightning_cli import instantiate
+from lightning_muon.lightning.mixin import MuonMixin
+from lightning_muon.routing import MUON, Route
+
+
+def main(args: Sequence[str]) -> None:
+    """Instantiate the model from a config and print its routing with each parameter's effective lr."""
+    model = instantiate(expand_configs(list(args))).model
+    console = Console(width=None if sys.stdout.isatty() else 160)  # whole names when piped
+    if not isinstance(model, MuonMixin):
+        console.print(f"{type(model).__name__} does not use MuonMixin: every parameter stays on its own optimizer.")
+        return
+    routing = model.muon_routing()
+    lrs = model.muon_effective_lrs()
+
+    def effective_lr(route: Route) -> float | None:
+        return lrs.get(route.name)
+
+    console.print(routing.rich_table(effective_lr))
+    if not model.muon_enabled:
+        console.print("muon=None: the AdamW baseline, every parameter above trains with AdamW.")
+    elif not any(r.optimizer == MUON for r in routing.routes):
+        console.print("No parameter is routed to Muon.")

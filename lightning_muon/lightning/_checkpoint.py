@@ -1,0 +1,49 @@
+"""The routing recorded in checkpoints, and the check that a resumed model still matches it.
+
+Optimizer states are matched to parameters by position, so resuming with a
+different routing (other patterns, another Muon class, a changed model) would
+load every state into the wrong parameter without an error. Checkpoints hold
+the parameter names of each optimizer; loading compares them and refuses,
+listing every difference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_muon.routing import ADAMW, MUON, Routing
+
+#: The checkpoint entry lightning_muon writes.
+CHECKPOINT_KEY = "lightning_muon"
+
+
+def optimizer_names(routing: Routing, muon_enabled: bool) -> dict[str, list[str]]:
+    """The parameter names each optimizer holds, in order: everything on AdamW when Muon is off or empty."""
+    if not muon_enabled or not routing.muon_groups:
+        return {MUON: [], ADAMW: routing.names(MUON) + routing.names(ADAMW)}
+    return {MUON: routing.names(MUON), ADAMW: routing.names(ADAMW)}
+
+
+def routing_differences(saved: dict[str, list[str]], current: dict[str, list[str]]) -> list[str]:
+    """One line per parameter that moved between optimizers, and one per optimizer whose order changed."""
+    differences = []
+    for optimizer in (MUON, ADAMW):
+        then, now = set(saved[optimizer]), set(current[optimizer])
+        differences += [f"  {name}: was on {optimizer}, not now" for name in sorted(then - now)]
+        differences += [f"  {name}: now on {optimizer}, was not" for name in sorted(now - then)]
+        if then == now and saved[optimizer] != current[optimizer]:
+            differences.append(f"  {optimizer}: the same parameters in a different order")
+    return differences
+
+
+def check_routing(saved: dict[str, Any], current: dict[str, list[str]]) -> None:
+    """Refuse a checkpoint whose optimizer states were saved with another routing."""
+    differences = routing_differences(saved["routing"], current)
+    if differences:
+        raise MisconfigurationException(
+            "This checkpoint's optimizer states were saved with a different routing, so they would be "
+            "loaded into the wrong parameters. Differences:\n" + "\n".join(differences) + "\n"
+            "Resume with the muon_params/adamw_params (and muon class) the checkpoint was trained with."
+        )

@@ -1,0 +1,221 @@
+"""`UpdateLoop`: what one training batch does under `MuonMixin`, and the counters that span batches.
+
+Per micro-batch: take the loss from the parent's ``training_step``, backward
+``loss / N`` (no gradient sync unless it ends an update). On the last
+micro-batch, one update over every optimizer: unscale (16-mixed),
+``on_before_optimizer_step`` hooks, one global gradient-norm clip, a non-finite
+check that skips every optimizer, the steps, one scaler update, the scheduler
+steps, zero grads. ``trainer.global_step`` advances once per update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_muon.lightning import _compat
+from lightning_muon.lightning._config import MuonConfig
+
+if TYPE_CHECKING:
+    from lightning.pytorch import LightningModule
+
+#: The logged count of skipped updates (the monitor logs the same key in its own rows).
+SKIPPED_STEPS_KEY = "muon/skipped_steps"
+
+
+@functools.cache
+def _positional_count(function: Callable[..., Any]) -> int:
+    """How many positional arguments a plain function takes after ``self``; a large number for ``*args``."""
+    params = list(inspect.signature(function).parameters.values())[1:]
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 1 << 30
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
+def _call_with_accepted(step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """Call a ``training_step`` (bound, or ``partial(function, self)``) with as many positionals as it takes:
+    ``training_step(self, batch)`` is fine where Lightning passes ``batch, batch_idx``."""
+    function = step.func if isinstance(step, functools.partial) else getattr(step, "__func__", None)
+    count = _positional_count(function) if function is not None else len(args)
+    return step(*args[:count], **kwargs)
+
+
+class UpdateLoop:
+    """The per-batch sequence of `MuonMixin`, with its counters (saved in checkpoints)."""
+
+    def __init__(self, config: MuonConfig) -> None:
+        self.config = config
+        #: Updates skipped because of non-finite gradients (16-mixed overflows included).
+        self.skipped_updates = 0
+        #: Skipped updates in a row that count toward ``max_consecutive_skips``.
+        self.consecutive_skips = 0
+        #: Micro-batches of the current update so far, and how many of them gave a loss.
+        self.micro_batches = 0
+        self._losses_in_update = 0
+        self._in_training_step = False
+        self._warned_none = False
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "skipped_updates": self.skipped_updates,
+            "consecutive_skips": self.consecutive_skips,
+            "micro_batches": self.micro_batches,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_updates = state["skipped_updates"]
+        self.consecutive_skips = state["consecutive_skips"]
+        if state["micro_batches"]:
+            rank_zero_warn(
+                f"The checkpoint was saved after {state['micro_batches']} accumulated micro-batches; their "
+                "gradients are not in checkpoints, so the first update after resuming uses fewer."
+            )
+
+    # -------------------------------------------------------------- per batch
+
+    def training_step(self, module: LightningModule, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run the parent's ``training_step``, then backward and (on the last micro-batch) the update."""
+        if self._in_training_step or not module.trainer.training:
+            # A subclass's training_step calling super() (only the outer one updates), or a
+            # validation_step reusing training_step (no backward, no update).
+            return _call_with_accepted(step, args, kwargs)
+        self._in_training_step = True
+        try:
+            output = _call_with_accepted(step, args, kwargs)
+        finally:
+            self._in_training_step = False
+        loss = self._loss_of(module, output)
+        update_now = _compat.ends_update(module.trainer)
+        if loss is not None:
+            scaled = loss / self.config.accumulate_grad_batches
+            if update_now:
+                module.manual_backward(scaled)
+            else:
+                with self._no_gradient_sync(module):
+                    module.manual_backward(scaled)
+            self._losses_in_update += 1
+        self.micro_batches += 1
+        if update_now:
+            if self._losses_in_update:
+                self._update(module)
+            self.micro_batches = 0
+            self._losses_in_update = 0
+        return output
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _no_gradient_sync(module: LightningModule) -> Iterator[None]:
+        """Backward of a non-final micro-batch: gradients accumulate locally, no cross-rank reduction.
+
+        DDP through the strategy's ``no_sync``; FSDP2 (``fully_shard`` modules, which Lightning's
+        ``ModelParallelStrategy`` leaves alone here) through ``set_requires_gradient_sync``, switched
+        back on afterwards (the last micro-batch of an update always syncs).
+        """
+        sharded = []
+        if torch.distributed.is_available():
+            from torch.distributed.fsdp import FSDPModule
+
+            sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        for fsdp_module in sharded:
+            fsdp_module.set_requires_gradient_sync(False, recurse=False)
+        strategy = module.trainer.strategy
+        try:
+            if isinstance(strategy, ParallelStrategy):
+                with strategy.block_backward_sync():
+                    yield
+            else:
+                yield
+        finally:
+            for fsdp_module in sharded:
+                fsdp_module.set_requires_gradient_sync(True, recurse=False)
+
+    def _loss_of(self, module: LightningModule, output: Any) -> torch.Tensor | None:
+        if output is None:
+            if module.trainer.world_size > 1:
+                raise MisconfigurationException(
+                    "training_step returned None on a run with several processes: skipping the batch on one "
+                    "rank would leave the others waiting for its gradients (or drifting apart). Return "
+                    "`loss * 0` to skip a batch under DDP/FSDP."
+                )
+            if not self._warned_none:
+                rank_zero_warn("training_step returned None: MuonMixin skips that batch (no backward, no update).")
+                self._warned_none = True
+            return None
+        if isinstance(output, torch.Tensor):
+            return output
+        if isinstance(output, dict) and "loss" in output:
+            return output["loss"]
+        raise MisconfigurationException(
+            f"training_step must return the loss (a tensor, a dict with a 'loss' key, or None to skip the batch); "
+            f"got {type(output).__name__}{' with keys ' + str(list(output)) if isinstance(output, dict) else ''}."
+        )
+
+    # ------------------------------------------------------------- the update
+
+    def _update(self, module: LightningModule) -> None:
+        """One update over every optimizer: unscale, hooks, clip, check, step, scaler update, schedulers, zero."""
+        trainer = module.trainer
+        lightning_optimizers = module.optimizers()
+        if not isinstance(lightning_optimizers, list):
+            lightning_optimizers = [lightning_optimizers]
+        optimizers = [o.optimizer for o in lightning_optimizers]
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        with _compat.one_optimizer_step(lightning_optimizers[0]):
+            if scaler is not None:
+                for optimizer in optimizers:
+                    scaler.unscale_(optimizer)
+            for optimizer in optimizers:
+                _compat.call_on_before_optimizer_step(trainer, optimizer)
+            params = [p for o in optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
+            grads = [p.grad for p in params]
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+            if not bool(torch.isfinite(norm)) and all(bool(torch.isfinite(g).all()) for g in grads):
+                # Every element is finite but the norm overflowed its dtype (fp16 past 65504): recompute.
+                norm = torch.nn.utils.get_total_norm([g.double() for g in grads])
+            if bool(torch.isfinite(norm)):
+                clip = self.config.gradient_clip_val
+                if clip is not None:
+                    torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+                for optimizer in optimizers:  # already unscaled and checked: the scaler has nothing to add
+                    optimizer.step()
+                self.consecutive_skips = 0
+            else:
+                self._skip(module, optimizers, counts_toward_limit=scaler is None)
+            if scaler is not None:
+                scaler.update()
+            for config in trainer.lr_scheduler_configs:
+                config.scheduler.step()  # type: ignore[call-arg]
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+
+    def _skip(self, module: LightningModule, optimizers: list[torch.optim.Optimizer], counts_toward_limit: bool) -> None:
+        self.skipped_updates += 1
+        module.log(SKIPPED_STEPS_KEY, float(self.skipped_updates), on_step=True, on_epoch=False)
+        if not counts_toward_limit:
+            return
+        self.consecutive_skips += 1
+        names = {id(p): n for n, p in module.named_parameters()}
+        bad = [
+            names.get(id(p), "?")
+            for o in optimizers
+            for g in o.param_groups
+            for p in g["params"]
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+        ]
+        shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
+        if self.consecutive_skips >= self.config.max_consecutive_skips:
+            raise RuntimeError(
+                f"{self.consecutive_skips} updates in a row had non-finite gradients (in {shown}); no weight "
+                "was changed by them. Lower the learning rate, add gradient_clip_val, or check the data and loss."
+            )
+        rank_zero_warn(f"MuonMixin skipped an update: non-finite gradients in {shown}. No weight was changed.")

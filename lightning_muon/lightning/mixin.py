@@ -1,0 +1,298 @@
+"""`MuonMixin`: Muon on the hidden matrices and AdamW on the rest, for any LightningModule.
+
+Two optimizers in Lightning 2.x mean manual optimization, which switches off
+gradient accumulation, clipping, AMP loss-scaling bookkeeping, scheduler
+stepping and a correct ``global_step``. The mixin puts all of that back:
+
+    class MyModel(MuonMixin, MyExistingModule):   # mixin FIRST
+        pass                                       # training_step returns the loss
+
+It wraps the parent's ``training_step`` and, from the loss it returns, does:
+backward (loss / N); gradient accumulation over N micro-batches (no DDP
+all-reduce or FSDP2 reduce-scatter until the last one); on the last micro-batch one update:
+unscale (16-mixed), ``on_before_optimizer_step`` hooks, one global
+gradient-norm clip over both optimizers, a non-finite check that skips both
+optimizers, both steps, one scaler update, both scheduler steps, zero grads.
+``trainer.global_step`` advances once per update.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_muon.lightning import _checkpoint, _compat
+from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig, plain_data
+from lightning_muon.lightning._update_loop import UpdateLoop
+from lightning_muon.optim.muon import Muon, adjust_lr
+from lightning_muon.routing import Routing, route_parameters
+
+__all__ = ["DEFAULT_ADAMW", "DEFAULT_MUON", "MuonMixin"]
+
+#: Parent hooks that manual optimization never calls.
+_UNCALLED_HOOKS = ("optimizer_step", "configure_gradient_clipping", "lr_scheduler_step", "optimizer_zero_grad")
+
+# Type checkers see the mixin as the LightningModule it always ends up in; at run time it is a plain class
+# (LightningModule comes from the user's own bases, after it).
+_LightningModuleBase = LightningModule if TYPE_CHECKING else object
+
+
+def _wrap_training_step(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Make a ``training_step`` defined below the mixin perform the update (once, however nested)."""
+
+    @functools.wraps(fn)
+    def training_step(self: MuonMixin, *args: Any, **kwargs: Any) -> Any:
+        return self._muon_loop.training_step(self, functools.partial(fn, self), args, kwargs)
+
+    training_step._muon_wrapped = True  # type: ignore[attr-defined]
+    return training_step
+
+
+class MuonMixin(_LightningModuleBase):
+    """Train any LightningModule with Muon on its hidden matrices and AdamW on everything else.
+
+    Put it first in the bases: ``class MyModel(MuonMixin, MyExistingModule)``.
+    Its keyword-only arguments are the whole configuration; every other
+    argument goes to the wrapped module's constructor.
+
+    Args:
+        muon: factory of the Muon optimizer, called with the routed param
+            groups (default: `lightning_muon.Muon` with lr 0.02, momentum
+            0.95, weight decay 0.01; ``torch.optim.Muon`` works too, its
+            >2D tensors then go to AdamW). ``None`` puts every parameter on
+            AdamW with the same training loop: the baseline for A/B runs.
+        adamw: factory of the optimizer for everything else (default:
+            ``torch.optim.AdamW`` with lr 3e-4, betas (0.9, 0.95), weight decay
+            0, fused where the device supports it).
+        lr_scheduler: factory of a scheduler applied to each optimizer
+            separately and stepped once per update, e.g.
+            `lightning_muon.WarmupCosine` (its ``total_steps`` defaults to the
+            number of updates of the fit). ``None``: constant lr.
+        muon_params: glob patterns of parameter names forced onto Muon.
+        adamw_params: glob patterns of parameter names forced onto AdamW.
+        accumulate_grad_batches: micro-batches per update (use this instead
+            of ``Trainer(accumulate_grad_batches=...)``, which manual
+            optimization refuses).
+        gradient_clip_val: clip the global gradient norm over both optimizers
+            to this value (instead of ``Trainer(gradient_clip_val=...)``);
+            ``None`` for no clipping.
+        max_consecutive_skips: updates with non-finite gradients are skipped
+            for both optimizers; after this many in a row, fit stops with an
+            error naming the parameters (16-mixed overflows are the scaler's
+            business and do not count).
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        position = mro.index(MuonMixin)
+        for klass in mro[1:position]:
+            if issubclass(klass, MuonMixin):
+                continue
+            overrides = [hook for hook in ("training_step", "configure_optimizers") if hook in vars(klass)]
+            if overrides:
+                bases = [b for b in cls.__bases__ if not issubclass(b, MuonMixin) or b is MuonMixin]
+                fixed = ", ".join(["MuonMixin"] + [b.__name__ for b in bases if b is not MuonMixin])
+                raise TypeError(
+                    f"MuonMixin must come first in the bases of {cls.__name__}: {klass.__name__} defines "
+                    f"{' and '.join(overrides)}, which would replace the mixin's. Write:\n"
+                    f"    class {cls.__name__}({fixed}):"
+                )
+        if "configure_optimizers" in vars(cls):
+            raise TypeError(
+                f"{cls.__name__} defines configure_optimizers, which replaces MuonMixin's pair of optimizers. "
+                "Remove it and configure the optimizers with the mixin's arguments "
+                "(muon=..., adamw=..., lr_scheduler=...)."
+            )
+        step = vars(cls).get("training_step")
+        if step is not None and not getattr(step, "_muon_wrapped", False):
+            setattr(cls, "training_step", _wrap_training_step(step))
+
+    def __init__(
+        self,
+        *,
+        muon: OptimizerCallable | None = DEFAULT_MUON,  # type: ignore[assignment]
+        adamw: OptimizerCallable = DEFAULT_ADAMW,  # type: ignore[assignment]
+        lr_scheduler: LRSchedulerCallable | None = None,
+        muon_params: Sequence[str] = (),
+        adamw_params: Sequence[str] = (),
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        max_consecutive_skips: int = 5,
+        **kwargs: Any,
+    ) -> None:
+        config = MuonConfig.from_arguments(
+            muon=muon,
+            adamw=adamw,
+            lr_scheduler=lr_scheduler,
+            muon_params=muon_params,
+            adamw_params=adamw_params,
+            accumulate_grad_batches=accumulate_grad_batches,
+            gradient_clip_val=gradient_clip_val,
+            max_consecutive_skips=max_consecutive_skips,
+        )
+        # Rebind the arguments to plain data before the parent's __init__ runs: a parent calling
+        # save_hyperparameters() collects these frames' locals, and checkpoints must load with weights_only.
+        muon, adamw, lr_scheduler = config.muon, config.adamw, config.lr_scheduler
+        muon_params, adamw_params = list(config.muon_params), list(config.adamw_params)
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self._muon_config = config
+        self._muon_loop = UpdateLoop(config)
+        # Hyperparameters: what the parent saved (if it did), plus this constructor's arguments as plain
+        # data, including those forwarded to the parent (or LightningCLI's config, when it built the model).
+        saved_by_parent = dict(self.hparams)
+        if not saved_by_parent:  # the parent chose nothing (if it did, its `ignore=` choices stand)
+            self.save_hyperparameters()
+        # LightningCLI's config already has the mixin's settings, in its own form.
+        own = {} if _compat.cli_class_path(self.hparams) is not None else config.to_hparams()
+        hparams, dropped = plain_data({**saved_by_parent, **self.hparams, **own})
+        if dropped:
+            rank_zero_warn(
+                f"MuonMixin left {sorted(dropped)} out of the saved hyperparameters: they are not plain data, and "
+                "checkpoints must load with weights_only=True. Pass plain values (or specs) instead."
+            )
+        self.hparams.clear()  # save_hyperparameters(dict) updates: start from the plain set alone
+        self.save_hyperparameters(hparams)
+
+    # ------------------------------------------------ read-only surface (callbacks, commands)
+
+    @property
+    def muon_enabled(self) -> bool:
+        """Whether a Muon optimizer is configured (``False`` for the ``muon=None`` AdamW baseline)."""
+        return self._muon_config.muon_factory is not None
+
+    @property
+    def muon_skipped_updates(self) -> int:
+        """Updates skipped so far because of non-finite gradients (16-mixed overflows included)."""
+        return self._muon_loop.skipped_updates
+
+    def muon_routing(self) -> Routing:
+        """Where every trainable parameter goes (Muon or AdamW) and why."""
+        muon_class = self._muon_config.muon_class
+        return route_parameters(
+            self,
+            muon_params=self._muon_config.muon_params,
+            adamw_params=self._muon_config.adamw_params,
+            muon_nd=muon_class is not None and issubclass(muon_class, Muon),
+        )
+
+    def muon_effective_lrs(self) -> dict[str, float]:
+        """The learning rate each routed parameter will start with, by name (Muon's after the shape
+        adjustment), read from optimizers built for the purpose and thrown away."""
+        routing = self.muon_routing()
+        lrs: dict[str, float] = {}
+        muon_on = self.muon_enabled and bool(routing.muon_groups)
+        if muon_on:
+            for group in self._muon_config.build("muon", routing.muon_groups).param_groups:
+                for name, p in zip(group["param_names"], group["params"], strict=True):
+                    lrs[name] = adjust_lr(float(group["lr"]), group.get("adjust_lr_fn"), p.shape)
+        adamw_groups = routing.adamw_groups if muon_on else routing.muon_groups + routing.adamw_groups
+        for group in self._muon_config.build("adamw", adamw_groups).param_groups:
+            for name in group["param_names"]:
+                lrs[name] = float(group["lr"])
+        return lrs
+
+    # -------------------------------------------------------------- optimizers
+
+    def configure_optimizers(self) -> Any:
+        """``[muon, adamw]`` over the routed param groups (only AdamW when ``muon=None``), with their schedulers."""
+        routing = self.muon_routing()
+        rank_zero_info("\n" + routing.render())
+        if self.muon_enabled and not routing.muon_groups:
+            rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")
+        if not self.muon_enabled or not routing.muon_groups:
+            optimizers = [self._muon_config.build_adamw(routing.muon_groups + routing.adamw_groups)]
+        else:
+            optimizers = [self._muon_config.build("muon", routing.muon_groups), self._muon_config.build_adamw(routing.adamw_groups)]
+        factory = self._muon_config.lr_scheduler_factory
+        if factory is None:
+            return optimizers
+        schedulers = []
+        for optimizer in optimizers:
+            scheduler = factory(optimizer)
+            # The protocol of `WarmupCosine` (and any scheduler like it): total_steps None means "the fit's".
+            if getattr(scheduler, "total_steps", 0) is None:
+                total = self.trainer.estimated_stepping_batches
+                if not math.isfinite(total):
+                    raise MisconfigurationException(
+                        f"{type(scheduler).__name__} needs the length of the fit, which is unbounded here: set "
+                        "Trainer(max_steps=...) or max_epochs, or give the scheduler total_steps=..."
+                    )
+                scheduler.total_steps = int(total)
+            schedulers.append({"scheduler": scheduler, "interval": "step"})
+        return optimizers, schedulers
+
+    # -------------------------------------------------------------- fit checks
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit":
+            # Lightning's loop already knows how to count accumulated batches (logger steps, validation
+            # zero_grad, estimated_stepping_batches).
+            _compat.set_accumulate_grad_batches(self.trainer, self._muon_config.accumulate_grad_batches)
+
+    def teardown(self, stage: str) -> None:
+        if stage == "fit":
+            _compat.set_accumulate_grad_batches(self.trainer, 1)
+        super().teardown(stage)
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if isinstance(self.trainer.strategy, FSDPStrategy):
+            raise MisconfigurationException(
+                "MuonMixin cannot run under strategy='fsdp' (FSDP1): manual optimization and its flattened "
+                "parameters cannot work together. Use FSDP2: strategy=ModelParallelStrategy() with "
+                "fully_shard in configure_model."
+            )
+        if "configure_optimizers" in vars(self):
+            raise MisconfigurationException(
+                "configure_optimizers was replaced on this model (LightningCLI --optimizer/--lr_scheduler do "
+                "this), which would drop MuonMixin's pair of optimizers. Configure them with --model.muon, "
+                "--model.adamw and --model.lr_scheduler instead."
+            )
+        for hook in (*_UNCALLED_HOOKS, "configure_optimizers"):
+            owners = [
+                k.__name__
+                for k in type(self).__mro__
+                if hook in vars(k) and k is not MuonMixin and k not in LightningModule.__mro__
+            ]
+            if owners:
+                rank_zero_warn(
+                    f"{owners[0]}.{hook} will never be called: MuonMixin runs the optimizers itself under "
+                    f"manual optimization. Move what it does into the mixin's arguments "
+                    f"(gradient_clip_val, lr_scheduler, muon/adamw) or into training_step."
+                )
+
+    def toggle_optimizer(self, optimizer: Any) -> None:
+        raise MisconfigurationException(
+            "toggle_optimizer switches off the gradients of the other optimizer's parameters, but MuonMixin "
+            "steps Muon and AdamW together on one loss. Remove the toggle_optimizer/untoggle_optimizer calls."
+        )
+
+    # -------------------------------------------------------------------- step
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the parent's ``training_step``, then backward and (on the last micro-batch) the update."""
+        return self._muon_loop.training_step(self, super().training_step, args, kwargs)
+
+    # ------------------------------------------------------------- checkpoints
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[_checkpoint.CHECKPOINT_KEY] = {"routing": _checkpoint.optimizer_names(self.muon_routing(), self.muon_enabled), **self._muon_loop.state_dict()}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        saved = checkpoint.get(_checkpoint.CHECKPOINT_KEY)
+        if saved is not None:
+            _checkpoint.check_routing(saved, _checkpoint.optimizer_names(self.muon_routing(), self.muon_enabled))
+            self._muon_loop.load_state_dict(saved)

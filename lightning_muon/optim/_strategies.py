@@ -1,0 +1,157 @@
+"""Where Muon's Newton-Schulz work runs: on every rank, split over DDP ranks, or on FSDP2 owner ranks.
+
+`choose_strategy` picks one of three, from the parameters and the process group:
+
+- `LocalStep`: one process, or every rank doing all the work (``split_ns=False``,
+  and DTensor layouts other than FSDP2's, whose matrices are gathered whole);
+- `ReplicatedStep` (DDP): each rank orthogonalises a FLOP-balanced share of the
+  buckets, the results are all-gathered, every rank applies every update;
+- `ShardedStep` (FSDP2, DTensors ``Shard(0)`` on one 1-D mesh): each bucket's row
+  shards go to an owner rank, which orthogonalises the whole matrices and sends
+  every rank back its rows.
+
+Each strategy owns its owners, exchange buffers, byte count and diagnostics;
+all of them use the maths of `lightning_muon.optim._update`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_muon.optim import _update
+from lightning_muon.optim._collectives import (
+    World,
+    all_gather_results,
+    assign_owners,
+    gather_to_owners,
+    replicated_world,
+    scatter_from_owners,
+    sharded_world,
+)
+from lightning_muon.optim._update import Bucket, Chooser, ParamDiagnostics
+
+
+class LocalStep:
+    """Every bucket orthogonalised here, bucket by bucket (DTensors gathered whole on every rank)."""
+
+    #: Ranks that must agree on which parameters have gradients (``None``: no other rank takes part).
+    world: World | None = None
+    #: Sharded matrices are orthogonalised one at a time, each gathered whole.
+    whole_dtensors = True
+    #: Bytes this rank sent in the last step's exchanges.
+    exchanged_bytes = 0
+
+    def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
+        """Momentum, Newton-Schulz and apply for every bucket; the diagnostics of the chosen matrices."""
+        diagnostics: list[ParamDiagnostics] = []
+        # Bucket by bucket, so a matrix's buffer and gradient are still in cache for its whole update
+        # (on CPU, sweeping every buffer first and orthogonalising afterwards measured slower).
+        for bucket in buckets:
+            orthogonal = _update.orthogonalise(bucket.group, _update.momentum(bucket), bucket.shape)
+            _update.apply(bucket, orthogonal)
+            if diagnose is not None:
+                diagnostics += _update.record(bucket, orthogonal, diagnose)
+        return diagnostics
+
+
+class ReplicatedStep(LocalStep):
+    """DDP: each rank orthogonalises its share of the buckets; the results are all-gathered; all apply all.
+
+    Every rank keeps every momentum buffer (Lightning checkpoints rank 0), so parameters stay identical.
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        # Reused between steps: allocating and faulting in a copy of all updates every step measured
+        # ~20% of a split step.
+        self._buffers: dict = {}
+
+    def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
+        assert self.world is not None
+        if not buckets:  # the same on every rank: which parameters have gradients was agreed
+            return []
+        owners = assign_owners([b.flops for b in buckets], self.world.size)
+        local = {}
+        for j, bucket in enumerate(buckets):
+            if owners[j] == self.world.rank:
+                local[j] = _update.orthogonalise(bucket.group, _update.momentum(bucket), bucket.shape)
+            else:  # every rank keeps every momentum buffer; only the owner needs the update itself
+                _update.momentum(bucket, update=False)
+        device = buckets[0].params[0].device
+        layouts = [b.layout for b in buckets]
+        gathered = all_gather_results(local, owners, layouts, self.world, device, self._buffers)
+        self.exchanged_bytes = int(sum(t.numel() * t.element_size() for ts in local.values() for t in ts))
+        diagnostics: list[ParamDiagnostics] = []
+        for bucket, orthogonal in zip(buckets, gathered, strict=True):
+            _update.apply(bucket, orthogonal)
+            if diagnose is not None:
+                diagnostics += _update.record(bucket, orthogonal, diagnose)
+        return diagnostics
+
+
+class ShardedStep(LocalStep):
+    """FSDP2: each bucket's row shards go to its owner rank, which orthogonalises the whole matrices and
+    sends every rank back its rows of the result; every rank applies its own rows. Momentum stays sharded."""
+
+    whole_dtensors = False
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
+        assert self.world is not None
+        self.exchanged_bytes = 0
+        if not buckets:  # the same on every rank: which parameters have gradients was agreed
+            return []
+        # The local shards (views: in-place updates reach the DTensors) do all the elementwise work.
+        local = [bucket.local() for bucket in buckets]
+        owners = assign_owners([b.flops for b in buckets], self.world.size)
+        layouts = [b.layout for b in buckets]
+        shards = [_update.momentum(bucket) for bucket in local]
+        whole = gather_to_owners(shards, owners, layouts, self.world)
+        results = {j: _update.orthogonalise_stack(buckets[j].group, stack) for j, stack in whole.items()}
+        device = local[0].params[0].device
+        mine = scatter_from_owners(results, owners, layouts, self.world, device)
+        self.exchanged_bytes = sum(
+            s.numel() * layout[2].itemsize for ss, layout in zip(shards, layouts, strict=True) for s in ss
+        ) + sum(r.numel() * r.element_size() for r in results.values())
+        for bucket, orthogonal in zip(local, mine, strict=True):
+            _update.apply(bucket, orthogonal)
+        return [] if diagnose is None else self._diagnostics(buckets, results, diagnose)
+
+    def _diagnostics(
+        self, buckets: Sequence[Bucket], results: dict[int, Tensor], diagnose: Chooser
+    ) -> list[ParamDiagnostics]:
+        """Owners measure the whole updates they computed; one all-reduce gives every rank every number."""
+        assert self.world is not None
+        chosen = [[i for i, p in enumerate(bucket.params) if diagnose(p)] for bucket in buckets]
+        starts = [0]
+        for picked in chosen:
+            starts.append(starts[-1] + len(picked))
+        values = torch.zeros(starts[-1], 2, device=buckets[0].params[0].device)
+        for j, stack in results.items():
+            if chosen[j]:
+                errors, rms = _update.measure(stack[chosen[j]], buckets[j].adjusted_lr)
+                values[starts[j] : starts[j + 1]] = torch.stack([errors, rms], dim=1)
+        torch.distributed.all_reduce(values, group=self.world.group)
+        diagnostics = []
+        for j, bucket in enumerate(buckets):
+            lr = bucket.adjusted_lr
+            for row, i in zip(values[starts[j] : starts[j + 1]], chosen[j], strict=True):
+                shape = tuple(bucket.params[i].shape)
+                diagnostics.append(ParamDiagnostics(bucket.names[i], shape, lr, row[0], row[1]))
+        return diagnostics
+
+
+def choose_strategy(params: Sequence[Tensor], split_ns: bool) -> LocalStep:
+    """The strategy for these parameters under the current process group (see the module docstring)."""
+    if not split_ns:
+        return LocalStep()
+    sharded = sharded_world(params)
+    if sharded is not None:
+        return ShardedStep(sharded)
+    replicated = replicated_world(params) if params else None
+    return ReplicatedStep(replicated) if replicated is not None else LocalStep()
