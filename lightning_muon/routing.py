@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["Route", "Routing", "route_parameters", "find_output_head", "MUON", "ADAMW"]
+__all__ = ["ADAMW", "MUON", "Route", "Routing", "find_output_head", "route_parameters"]
 
 MUON = "Muon"
 ADAMW = "AdamW"
@@ -69,7 +69,9 @@ class Routing:
         """
         groups = []
         for group in _GROUP_ORDER[optimizer]:
-            named = [(r.name, self.params[r.name]) for r in self.routes if r.optimizer == optimizer and r.group == group]
+            named = [
+                (r.name, self.params[r.name]) for r in self.routes if r.optimizer == optimizer and r.group == group
+            ]
             if named:
                 groups.append({"name": group, "params": named})
         return groups
@@ -123,9 +125,7 @@ class Routing:
 
 def _is_norm(module: nn.Module) -> bool:
     """Norm layers by type: torch's own, and custom classes named ``...Norm`` (``RMSNorm``, ``LayerNorm``...)."""
-    torch_norms = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
-    if hasattr(nn, "RMSNorm"):
-        torch_norms += (nn.RMSNorm,)
+    torch_norms = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
     return isinstance(module, torch_norms) or re.search(r"Norm(\dd)?$", type(module).__name__) is not None
 
 
@@ -140,9 +140,9 @@ def _in_repeated_block(name: str, modules: dict[str, nn.Module]) -> bool:
     for depth in range(1, len(parts)):
         block = modules[".".join(parts[:depth])]
         parent = modules[".".join(parts[: depth - 1])]
-        if isinstance(parent, containers) and not isinstance(block, containers):
-            if sum(type(sibling) is type(block) for sibling in parent.children()) > 1:
-                return True
+        stacked = isinstance(parent, containers) and not isinstance(block, containers)
+        if stacked and sum(type(sibling) is type(block) for sibling in parent.children()) > 1:
+            return True
     return False
 
 
@@ -201,7 +201,7 @@ def route_parameters(
         ValueError: a pattern matches nothing, a parameter matches both kinds
             of pattern, or a tensor Muon cannot take is forced to Muon.
     """
-    trainable = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    trainable: dict[str, Tensor] = {name: p for name, p in module.named_parameters() if p.requires_grad}
     owners: dict[int, list[tuple[str, nn.Module]]] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for p_name, p in mod.named_parameters(recurse=False):
@@ -237,7 +237,8 @@ def route_parameters(
                 )
             route = (MUON, "hidden", f"matches muon_params {to_muon!r}")
         elif to_adamw:
-            group = "embeddings" if embedding else "head" if head_alias else "other" if p.ndim >= 2 else "norms_and_biases"
+            group = "other" if p.ndim >= 2 else "norms_and_biases"
+            group = "embeddings" if embedding else "head" if head_alias else group
             route = (ADAMW, group, f"matches adamw_params {to_adamw!r}")
         elif isinstance(own_module, _EMBEDDINGS):
             route = (ADAMW, "embeddings", f"{type(own_module).__name__} weight")
@@ -261,4 +262,4 @@ def route_parameters(
     routed = [r.name for r in routes]
     if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's
         raise RuntimeError(f"lightning_muon routed {sorted(routed)} for the trainable parameters {sorted(trainable)}")
-    return Routing(routes=routes, params=trainable)
+    return Routing(routes=routes, params=dict(trainable))

@@ -28,7 +28,7 @@ def config_chain(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> list[
     chain: list[Path] = []
     for base in _EXTENDS.findall(text):
         chain += config_chain(path.parent / base, (*_seen, path.resolve()))
-    return chain + [path]
+    return [*chain, path]
 
 
 def expand_configs(argv: list[str]) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.optim import Optimizer
+
+from lightning_muon.optim.muon import adjust_lr
+from lightning_muon.routing import Routing
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -59,10 +65,10 @@ def plain_data(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 def _path(obj: Any) -> str:
     """The import path of a class or function; the package's top level when it re-exports the object
     there (``lightning_muon.Muon``, not the module it is defined in, so specs survive internal moves)."""
-    top = obj.__module__.split(".")[0]
-    if getattr(sys.modules.get(top), obj.__qualname__, None) is obj:
-        return f"{top}.{obj.__qualname__}"
-    return f"{obj.__module__}.{obj.__qualname__}"
+    module, name = obj.__module__, obj.__qualname__
+    top = module.split(".")[0]
+    public = getattr(sys.modules.get(top), name, None) is obj
+    return f"{top}.{name}" if public else f"{module}.{name}"
 
 
 def _target_of_partial(factory: functools.partial) -> Any:
@@ -126,7 +132,10 @@ def from_spec(spec: Any) -> Callable[..., Any] | None:
 # Defaults are specs (plain data) rather than partials, so LightningCLI can print and save them and
 # checkpoints hold plain hyperparameters; the config resolves them to factories.
 #: lightning_muon.Muon with Keller Jordan's settings.
-DEFAULT_MUON: dict = {"class_path": "lightning_muon.Muon", "init_args": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}}
+DEFAULT_MUON: dict = {
+    "class_path": "lightning_muon.Muon",
+    "init_args": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01},
+}
 #: AdamW for embeddings, head, norms and biases; fused where the device supports it.
 DEFAULT_ADAMW: dict = {
     "class_path": "torch.optim.AdamW",
@@ -191,7 +200,7 @@ class MuonConfig:
         factories = {"muon": from_spec(muon), "adamw": from_spec(adamw), "lr_scheduler": from_spec(lr_scheduler)}
         if factories["adamw"] is None:
             raise ValueError("adamw must be an optimizer factory; it holds every parameter that is not on Muon")
-        specs = {name: to_spec(factory) for name, factory in (("muon", muon), ("adamw", adamw), ("lr_scheduler", lr_scheduler))}
+        specs = {"muon": to_spec(muon), "adamw": to_spec(adamw), "lr_scheduler": to_spec(lr_scheduler)}
         for name, spec in specs.items():
             if isinstance(spec, dict) and "callable" in spec:
                 rank_zero_warn(
@@ -237,6 +246,42 @@ class MuonConfig:
             if all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params):
                 return self.build("adamw", groups, fused=True)
         return self.build("adamw", groups)
+
+    def effective_lrs(self, routing: Routing, muon_enabled: bool) -> dict[str, float]:
+        """The learning rate each routed parameter will start with, by name (Muon's after the shape
+        adjustment), read from optimizers built for the purpose and thrown away."""
+        lrs: dict[str, float] = {}
+        muon_on = muon_enabled and bool(routing.muon_groups)
+        if muon_on:
+            for group in self.build("muon", routing.muon_groups).param_groups:
+                for name, p in zip(group["param_names"], group["params"], strict=True):
+                    lrs[name] = adjust_lr(float(group["lr"]), group.get("adjust_lr_fn"), p.shape)
+        adamw_groups = routing.adamw_groups if muon_on else routing.muon_groups + routing.adamw_groups
+        for group in self.build("adamw", adamw_groups).param_groups:
+            for name in group["param_names"]:
+                lrs[name] = float(group["lr"])
+        return lrs
+
+    def build_schedulers(self, optimizers: list[Optimizer], fit_length: Callable[[], float]) -> list[dict[str, Any]]:
+        """One scheduler per optimizer, stepped per update, as Lightning's scheduler configs.
+
+        A scheduler whose ``total_steps`` is ``None`` after construction (`lightning_muon.WarmupCosine`'s
+        protocol) gets the fit's number of updates, ``fit_length()``.
+        """
+        assert self.lr_scheduler_factory is not None
+        schedulers = []
+        for optimizer in optimizers:
+            scheduler = self.lr_scheduler_factory(optimizer)
+            if getattr(scheduler, "total_steps", 0) is None:
+                total = fit_length()
+                if not math.isfinite(total):
+                    raise MisconfigurationException(
+                        f"{type(scheduler).__name__} needs the length of the fit, which is unbounded here: set "
+                        "Trainer(max_steps=...) or max_epochs, or give the scheduler total_steps=..."
+                    )
+                scheduler.total_steps = int(total)
+            schedulers.append({"scheduler": scheduler, "interval": "step"})
+        return schedulers
 
     def to_hparams(self) -> dict[str, Any]:
         """The settings as plain data (lists, not tuples), as checkpoints save them."""

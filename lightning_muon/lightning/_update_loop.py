@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.optim import Optimizer
 
 from lightning_muon.lightning import _compat
 from lightning_muon.lightning._config import MuonConfig
@@ -198,7 +199,7 @@ class UpdateLoop:
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
 
-    def _skip(self, module: LightningModule, optimizers: list[torch.optim.Optimizer], counts_toward_limit: bool) -> None:
+    def _skip(self, module: LightningModule, optimizers: list[Optimizer], counts_toward_limit: bool) -> None:
         self.skipped_updates += 1
         module.log(SKIPPED_STEPS_KEY, float(self.skipped_updates), on_step=True, on_epoch=False)
         if not counts_toward_limit:

@@ -19,30 +19,29 @@ optimizers, both steps, one scaler update, both scheduler steps, zero grads.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_muon.lightning import _checkpoint, _compat
+from lightning_muon.lightning import _checkpoint, _checks, _compat
 from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig, plain_data
 from lightning_muon.lightning._update_loop import UpdateLoop
-from lightning_muon.optim.muon import Muon, adjust_lr
+from lightning_muon.optim.muon import Muon
 from lightning_muon.routing import Routing, route_parameters
 
 __all__ = ["DEFAULT_ADAMW", "DEFAULT_MUON", "MuonMixin"]
 
-#: Parent hooks that manual optimization never calls.
-_UNCALLED_HOOKS = ("optimizer_step", "configure_gradient_clipping", "lr_scheduler_step", "optimizer_zero_grad")
 
 # Type checkers see the mixin as the LightningModule it always ends up in; at run time it is a plain class
 # (LightningModule comes from the user's own bases, after it).
-_LightningModuleBase = LightningModule if TYPE_CHECKING else object
+if TYPE_CHECKING:
+    _LightningModuleBase = LightningModule
+else:
+    _LightningModuleBase = object
 
 
 def _wrap_training_step(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -92,29 +91,11 @@ class MuonMixin(_LightningModuleBase):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        mro = cls.__mro__
-        position = mro.index(MuonMixin)
-        for klass in mro[1:position]:
-            if issubclass(klass, MuonMixin):
-                continue
-            overrides = [hook for hook in ("training_step", "configure_optimizers") if hook in vars(klass)]
-            if overrides:
-                bases = [b for b in cls.__bases__ if not issubclass(b, MuonMixin) or b is MuonMixin]
-                fixed = ", ".join(["MuonMixin"] + [b.__name__ for b in bases if b is not MuonMixin])
-                raise TypeError(
-                    f"MuonMixin must come first in the bases of {cls.__name__}: {klass.__name__} defines "
-                    f"{' and '.join(overrides)}, which would replace the mixin's. Write:\n"
-                    f"    class {cls.__name__}({fixed}):"
-                )
-        if "configure_optimizers" in vars(cls):
-            raise TypeError(
-                f"{cls.__name__} defines configure_optimizers, which replaces MuonMixin's pair of optimizers. "
-                "Remove it and configure the optimizers with the mixin's arguments "
-                "(muon=..., adamw=..., lr_scheduler=...)."
-            )
+        _checks.check_bases(cls, MuonMixin)
         step = vars(cls).get("training_step")
         if step is not None and not getattr(step, "_muon_wrapped", False):
-            setattr(cls, "training_step", _wrap_training_step(step))
+            # The subclass's own training_step becomes the one that updates (the mixin's would be bypassed).
+            cls.training_step = _wrap_training_step(step)  # type: ignore[method-assign]
 
     def __init__(
         self,
@@ -188,18 +169,7 @@ class MuonMixin(_LightningModuleBase):
     def muon_effective_lrs(self) -> dict[str, float]:
         """The learning rate each routed parameter will start with, by name (Muon's after the shape
         adjustment), read from optimizers built for the purpose and thrown away."""
-        routing = self.muon_routing()
-        lrs: dict[str, float] = {}
-        muon_on = self.muon_enabled and bool(routing.muon_groups)
-        if muon_on:
-            for group in self._muon_config.build("muon", routing.muon_groups).param_groups:
-                for name, p in zip(group["param_names"], group["params"], strict=True):
-                    lrs[name] = adjust_lr(float(group["lr"]), group.get("adjust_lr_fn"), p.shape)
-        adamw_groups = routing.adamw_groups if muon_on else routing.muon_groups + routing.adamw_groups
-        for group in self._muon_config.build("adamw", adamw_groups).param_groups:
-            for name in group["param_names"]:
-                lrs[name] = float(group["lr"])
-        return lrs
+        return self._muon_config.effective_lrs(self.muon_routing(), self.muon_enabled)
 
     # -------------------------------------------------------------- optimizers
 
@@ -212,23 +182,11 @@ class MuonMixin(_LightningModuleBase):
         if not self.muon_enabled or not routing.muon_groups:
             optimizers = [self._muon_config.build_adamw(routing.muon_groups + routing.adamw_groups)]
         else:
-            optimizers = [self._muon_config.build("muon", routing.muon_groups), self._muon_config.build_adamw(routing.adamw_groups)]
-        factory = self._muon_config.lr_scheduler_factory
-        if factory is None:
+            muon = self._muon_config.build("muon", routing.muon_groups)
+            optimizers = [muon, self._muon_config.build_adamw(routing.adamw_groups)]
+        if self._muon_config.lr_scheduler_factory is None:
             return optimizers
-        schedulers = []
-        for optimizer in optimizers:
-            scheduler = factory(optimizer)
-            # The protocol of `WarmupCosine` (and any scheduler like it): total_steps None means "the fit's".
-            if getattr(scheduler, "total_steps", 0) is None:
-                total = self.trainer.estimated_stepping_batches
-                if not math.isfinite(total):
-                    raise MisconfigurationException(
-                        f"{type(scheduler).__name__} needs the length of the fit, which is unbounded here: set "
-                        "Trainer(max_steps=...) or max_epochs, or give the scheduler total_steps=..."
-                    )
-                scheduler.total_steps = int(total)
-            schedulers.append({"scheduler": scheduler, "interval": "step"})
+        schedulers = self._muon_config.build_schedulers(optimizers, lambda: self.trainer.estimated_stepping_batches)
         return optimizers, schedulers
 
     # -------------------------------------------------------------- fit checks
@@ -247,30 +205,7 @@ class MuonMixin(_LightningModuleBase):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        if isinstance(self.trainer.strategy, FSDPStrategy):
-            raise MisconfigurationException(
-                "MuonMixin cannot run under strategy='fsdp' (FSDP1): manual optimization and its flattened "
-                "parameters cannot work together. Use FSDP2: strategy=ModelParallelStrategy() with "
-                "fully_shard in configure_model."
-            )
-        if "configure_optimizers" in vars(self):
-            raise MisconfigurationException(
-                "configure_optimizers was replaced on this model (LightningCLI --optimizer/--lr_scheduler do "
-                "this), which would drop MuonMixin's pair of optimizers. Configure them with --model.muon, "
-                "--model.adamw and --model.lr_scheduler instead."
-            )
-        for hook in (*_UNCALLED_HOOKS, "configure_optimizers"):
-            owners = [
-                k.__name__
-                for k in type(self).__mro__
-                if hook in vars(k) and k is not MuonMixin and k not in LightningModule.__mro__
-            ]
-            if owners:
-                rank_zero_warn(
-                    f"{owners[0]}.{hook} will never be called: MuonMixin runs the optimizers itself under "
-                    f"manual optimization. Move what it does into the mixin's arguments "
-                    f"(gradient_clip_val, lr_scheduler, muon/adamw) or into training_step."
-                )
+        _checks.check_fit(self, MuonMixin)
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         raise MisconfigurationException(
@@ -288,7 +223,8 @@ class MuonMixin(_LightningModuleBase):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        checkpoint[_checkpoint.CHECKPOINT_KEY] = {"routing": _checkpoint.optimizer_names(self.muon_routing(), self.muon_enabled), **self._muon_loop.state_dict()}
+        routing = _checkpoint.optimizer_names(self.muon_routing(), self.muon_enabled)
+        checkpoint[_checkpoint.CHECKPOINT_KEY] = {"routing": routing, **self._muon_loop.state_dict()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)

@@ -59,12 +59,13 @@ def sharded_world(params: Sequence[Tensor]) -> World | None:
     dim 0 over the same 1-D device mesh of several ranks (FSDP2's layout). ``None`` otherwise."""
     if not params or not all(is_dtensor(p) for p in params):
         return None
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import DTensor, Shard
 
-    mesh = params[0].device_mesh
+    dtensors = [p for p in params if isinstance(p, DTensor)]
+    mesh = dtensors[0].device_mesh
     if mesh.ndim != 1 or mesh.size() < 2:
         return None
-    if any(p.device_mesh != mesh or tuple(p.placements) != (Shard(0),) for p in params):
+    if any(p.device_mesh != mesh or tuple(p.placements) != (Shard(0),) for p in dtensors):
         return None
     group = mesh.get_group()
     if dist.get_rank(group) != mesh.get_local_rank():  # shards follow mesh order, collectives group order
@@ -185,10 +186,11 @@ def _all_to_all(
             offset += _padded(nbytes)
     received = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=device)
     dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=world.group)
-    result, offset = [], 0
-    for row in receive:
+    result: list[list[Tensor]] = []
+    offset = 0
+    for expected in receive:
         result.append([])
-        for (m, n), dtype in row:
+        for (m, n), dtype in expected:
             nbytes = m * n * dtype.itemsize
             result[-1].append(received[offset : offset + nbytes].view(dtype).view(m, n))
             offset += _padded(nbytes)
@@ -214,10 +216,11 @@ def gather_to_owners(
     for job, (count, (m, n), dtype) in enumerate(layouts):
         pieces[owners[job]].extend((shard.reshape(-1, n), dtype) for shard in shards[job])
         if owners[job] == world.rank:
-            for source, rows in enumerate(shard_rows(m, world.size)):
-                receive[source].extend([((rows, n), dtype)] * count)
+            for source, shard_height in enumerate(shard_rows(m, world.size)):
+                receive[source].extend([((shard_height, n), dtype)] * count)
     received = _all_to_all(pieces, receive, world, device)
-    whole, taken = {}, [0] * world.size
+    whole: dict[int, Tensor] = {}
+    taken = [0] * world.size
     for job, (count, (m, n), dtype) in enumerate(layouts):
         if owners[job] != world.rank:
             continue

@@ -14,13 +14,16 @@ import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
 
 from lightning_muon.optim._collectives import is_dtensor
 from lightning_muon.optim.newton_schulz import ns_flops, orthogonality_error, zeropower_via_newtonschulz
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 #: Accepted values of ``adjust_lr_fn`` (``None`` means ``"original"``).
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral", "none")
@@ -149,11 +152,11 @@ class Bucket(NamedTuple):
 
     def local(self) -> Bucket:
         """The bucket on this rank's shards (views: in-place updates reach the DTensors)."""
-        return self._replace(
-            params=[p.to_local() for p in self.params],
-            grads=[g.to_local() for g in self.grads],
-            bufs=[b.to_local() for b in self.bufs],
-        )
+        return self._replace(params=_locals(self.params), grads=_locals(self.grads), bufs=_locals(self.bufs))
+
+
+def _locals(tensors: list[Tensor]) -> list[Tensor]:
+    return [cast("DTensor", t).to_local() for t in tensors]
 
 
 def bucket_indices(
@@ -171,7 +174,7 @@ def bucket_indices(
         grad_dtype = p.grad.dtype if p.grad is not None and not synced else p.dtype
         key = (matrix_shape(p.shape), p.dtype, grad_dtype, p.device)
         same[(*key, k) if whole_dtensors and is_dtensor(p) else key].append(k)
-    buckets = []
+    buckets: list[list[int]] = []
     per_matrix_bytes = ns_dtype(group).itemsize
     for (shape, _, _, device, *_), ks in same.items():
         cap = group["ns_batch_bytes"]
@@ -179,6 +182,60 @@ def bucket_indices(
             cap = _DEFAULT_BATCH_BYTES.get(device.type, _DEFAULT_BATCH_BYTES_ACCELERATOR)
         per_call = max(1, cap // (math.prod(shape) * per_matrix_bytes))
         buckets.extend(ks[i : i + per_call] for i in range(0, len(ks), per_call))
+    return buckets
+
+
+def describe_param(group: dict[str, Any], i: int, index: int) -> str:
+    """``parameter `name` (index 3)`` for messages; the index alone when the group has no names."""
+    names = group.get("param_names")
+    return f"parameter `{names[i]}` (index {index})" if names else f"parameter {index}"
+
+
+def _check_grad(group: dict[str, Any], i: int, index: int, p: Tensor, grad: Tensor) -> None:
+    if torch.is_complex(p) or torch.is_complex(grad):
+        raise RuntimeError(f"Muon does not support complex parameters: {describe_param(group, i, index)}")
+    if grad.is_sparse:
+        raise RuntimeError(f"Muon does not support sparse gradients: {describe_param(group, i, index)}")
+
+
+def _param_name(group: dict[str, Any], i: int, index: int) -> str:
+    names = group.get("param_names")
+    return names[i] if names else f"{group.get('name', 'params')}.{index}"
+
+
+def collect_buckets(
+    param_groups: list[dict[str, Any]],
+    state: Any,
+    has_grad: list[bool],
+    *,
+    whole_dtensors: bool,
+    synced: bool,
+    named: bool,
+) -> list[Bucket]:
+    """The buckets of one step, over the parameters flagged in ``has_grad`` (in param-group order).
+
+    A flagged parameter without a gradient (it has one on another rank) steps with zeros; momentum
+    buffers are created in ``state`` (the optimizer's) on first use. ``named`` fills in the parameter
+    names (for diagnostics).
+    """
+    buckets, index = [], 0
+    for group in param_groups:
+        params, grads, bufs, names = [], [], [], []
+        for i, p in enumerate(group["params"]):
+            if not has_grad[index + i]:
+                continue
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            _check_grad(group, i, index + i, p, grad)
+            params.append(p)
+            grads.append(grad)
+            if "momentum_buffer" not in state[p]:
+                state[p]["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            bufs.append(state[p]["momentum_buffer"])
+            names.append(_param_name(group, i, index + i) if named else "")
+        index += len(group["params"])
+        for ks in bucket_indices(group, params, whole_dtensors=whole_dtensors, synced=synced):
+            pick = [params[k] for k in ks], [grads[k] for k in ks], [bufs[k] for k in ks], [names[k] for k in ks]
+            buckets.append(Bucket(group, *pick, matrix_shape(params[ks[0]].shape)))
     return buckets
 
 
@@ -242,7 +299,7 @@ def record(bucket: Bucket, orthogonal: list[Tensor], diagnose: Chooser) -> list[
         return []
     matrices = [orthogonal[j] for j in chosen]
     if is_dtensor(matrices[0]):
-        matrices = [m.full_tensor().reshape(bucket.shape) for m in matrices]  # type: ignore[attr-defined]
+        matrices = [cast("DTensor", m).full_tensor().reshape(bucket.shape) for m in matrices]
     lr = bucket.adjusted_lr
     errors, rms = measure(torch.stack(matrices), lr)
     return [

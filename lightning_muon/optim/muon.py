@@ -38,6 +38,45 @@ from lightning_muon.optim.newton_schulz import DEFAULT_EPS, DEFAULT_NS_COEFFICIE
 __all__ = ["ADJUST_LR_FNS", "Muon", "ParamDiagnostics", "adjust_lr"]
 
 
+def _checked_arguments(
+    lr: float | Tensor,
+    weight_decay: float,
+    momentum: float,
+    eps: float,
+    adjust_lr_fn: str | None,
+    ns_coefficients: tuple[float, float, float],
+    ns_steps: int,
+    ns_dtype: torch.dtype | str,
+    ns_batch_bytes: int | None,
+) -> torch.dtype:
+    """Refuse bad constructor arguments as ``torch.optim.Muon`` does (quoting the value); the NS dtype."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate lr: {lr} (must be >= 0)")
+    if not 0.0 <= momentum:
+        raise ValueError(f"Invalid momentum value: {momentum} (must be >= 0)")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid eps value: {eps} (must be >= 0)")
+    if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (must be None or one of {ADJUST_LR_FNS})")
+    if len(tuple(ns_coefficients)) != 3:
+        raise ValueError(f"Invalid ns_coefficients: {ns_coefficients!r} (must be three numbers (a, b, c))")
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
+        raise ValueError(f"Invalid ns_steps: {ns_steps!r} (must be an int in [0, 100))")
+    if isinstance(ns_dtype, str):  # "bfloat16" or "torch.bfloat16", as YAML and saved hparams spell it
+        ns_dtype = getattr(torch, ns_dtype.removeprefix("torch."), ns_dtype)
+    if not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
+        raise ValueError(f"Invalid ns_dtype: {ns_dtype!r} (must be a floating dtype, e.g. torch.bfloat16)")
+    if ns_batch_bytes is not None and (
+        isinstance(ns_batch_bytes, bool) or not isinstance(ns_batch_bytes, int) or ns_batch_bytes < 0
+    ):
+        raise ValueError(f"Invalid ns_batch_bytes: {ns_batch_bytes!r} (must be None or an int >= 0)")
+    return ns_dtype
+
+
 class Muon(Optimizer):
     """Muon: SGD-momentum whose update is orthogonalised by Newton-Schulz iterations.
 
@@ -97,31 +136,9 @@ class Muon(Optimizer):
         ns_batch_bytes: int | None = None,
         split_ns: bool = True,
     ) -> None:
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate lr: {lr} (must be >= 0)")
-        if not 0.0 <= momentum:
-            raise ValueError(f"Invalid momentum value: {momentum} (must be >= 0)")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid eps value: {eps} (must be >= 0)")
-        if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
-            raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (must be None or one of {ADJUST_LR_FNS})")
-        if len(tuple(ns_coefficients)) != 3:
-            raise ValueError(f"Invalid ns_coefficients: {ns_coefficients!r} (must be three numbers (a, b, c))")
-        if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
-            raise ValueError(f"Invalid ns_steps: {ns_steps!r} (must be an int in [0, 100))")
-        if isinstance(ns_dtype, str):  # "bfloat16" or "torch.bfloat16", as YAML and saved hparams spell it
-            ns_dtype = getattr(torch, ns_dtype.removeprefix("torch."), ns_dtype)
-        if not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
-            raise ValueError(f"Invalid ns_dtype: {ns_dtype!r} (must be a floating dtype, e.g. torch.bfloat16)")
-        if ns_batch_bytes is not None and (
-            isinstance(ns_batch_bytes, bool) or not isinstance(ns_batch_bytes, int) or ns_batch_bytes < 0
-        ):
-            raise ValueError(f"Invalid ns_batch_bytes: {ns_batch_bytes!r} (must be None or an int >= 0)")
-
+        ns_dtype = _checked_arguments(
+            lr, weight_decay, momentum, eps, adjust_lr_fn, ns_coefficients, ns_steps, ns_dtype, ns_batch_bytes
+        )
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -159,16 +176,11 @@ class Muon(Optimizer):
             if p.ndim < 2:
                 self.param_groups.pop()  # refuse the whole group, as if it had never been added
                 raise ValueError(
-                    f"Muon got {self._describe(group, i, first_index + i)} of shape {tuple(p.shape)}: "
+                    f"Muon got {_update.describe_param(group, i, first_index + i)} of shape {tuple(p.shape)}: "
                     "Muon orthogonalises matrices, so every parameter needs at least 2 dimensions. "
                     "Optimize biases, norms, scalars and embeddings with AdamW "
                     "(lightning_muon.route_parameters splits a model for you)."
                 )
-
-    @staticmethod
-    def _describe(group: dict[str, Any], i: int, index: int) -> str:
-        names = group.get("param_names")
-        return f"parameter `{names[i]}` (index {index})" if names else f"parameter {index}"
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -243,43 +255,11 @@ class Muon(Optimizer):
         if strategy.world is not None and every:
             # Every rank must build the same buckets: a gradient missing on one rank is zero there.
             has_grad = any_rank(has_grad, every[0].device, strategy.world.group)
-        buckets, index = [], 0
-        for group in self.param_groups:
-            params, grads, bufs, names = [], [], [], []
-            for i, p in enumerate(group["params"]):
-                if not has_grad[index + i]:
-                    continue
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                self._check_grad(group, i, index + i, p, grad)
-                params.append(p)
-                grads.append(grad)
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                bufs.append(state["momentum_buffer"])
-                names.append(self._name(group, i, index + i) if named else "")
-            index += len(group["params"])
-            synced = strategy.world is not None
-            for ks in _update.bucket_indices(group, params, whole_dtensors=strategy.whole_dtensors, synced=synced):
-                buckets.append(
-                    Bucket(
-                        group,
-                        [params[k] for k in ks],
-                        [grads[k] for k in ks],
-                        [bufs[k] for k in ks],
-                        [names[k] for k in ks],
-                        _update.matrix_shape(params[ks[0]].shape),
-                    )
-                )
-        return buckets
-
-    def _check_grad(self, group: dict[str, Any], i: int, index: int, p: Tensor, grad: Tensor) -> None:
-        if torch.is_complex(p) or torch.is_complex(grad):
-            raise RuntimeError(f"Muon does not support complex parameters: {self._describe(group, i, index)}")
-        if grad.is_sparse:
-            raise RuntimeError(f"Muon does not support sparse gradients: {self._describe(group, i, index)}")
-
-    @staticmethod
-    def _name(group: dict[str, Any], i: int, index: int) -> str:
-        names = group.get("param_names")
-        return names[i] if names else f"{group.get('name', 'params')}.{index}"
+        return _update.collect_buckets(
+            self.param_groups,
+            self.state,
+            has_grad,
+            whole_dtensors=strategy.whole_dtensors,
+            synced=strategy.world is not None,
+            named=named,
+        )

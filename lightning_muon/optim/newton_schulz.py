@@ -24,13 +24,13 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "DEFAULT_EPS",
     "DEFAULT_NS_COEFFICIENTS",
     "DEFAULT_NS_STEPS",
-    "DEFAULT_EPS",
-    "zeropower_via_newtonschulz",
+    "ns_flops",
     "orthogonality_error",
     "singular_value_range",
-    "ns_flops",
+    "zeropower_via_newtonschulz",
 ]
 
 DEFAULT_NS_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)

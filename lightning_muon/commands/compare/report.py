@@ -13,7 +13,7 @@ from lightning_muon.commands.compare.runs import Run
 
 def steps_to_reach(steps: Sequence[int], losses: Sequence[float], target: float) -> int | None:
     """The first step whose loss is at or below ``target``; ``None`` if none is."""
-    for step, loss in zip(steps, losses):
+    for step, loss in zip(steps, losses, strict=True):
         if loss <= target:
             return step
     return None

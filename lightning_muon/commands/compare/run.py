@@ -50,7 +50,7 @@ from rich.console import Console
 from lightning_muon.commands.compare.plot import plot_comparison
 from lightning_muon.commands.compare.report import Row, baseline_index, markdown_report, rich_table, summarize
 from lightning_muon.commands.compare.runs import VAL_LOSS, Run, load_run
-from lightning_muon.commands.config_files import config_chain, merged_config
+from lightning_muon.commands.config_files import merged_config
 
 #: The callback ``compare`` adds to every fit.
 CLOCK = "lightning_muon.WallClock"
@@ -113,7 +113,8 @@ def fit_arguments(
             "--trainer.val_check_interval", str(val_check_interval(steps, val_points)),
             "--trainer.check_val_every_n_epoch", "null",  # the interval counts steps across epochs
         ]
-    if _given(overrides, "trainer.enable_checkpointing") is None and not any(p.endswith("ModelCheckpoint") for p in callbacks):
+    has_checkpoint = any(p.endswith("ModelCheckpoint") for p in callbacks)
+    if _given(overrides, "trainer.enable_checkpointing") is None and not has_checkpoint:
         args += ["--trainer.enable_checkpointing", "false"]
     if not any(p.endswith("WallClock") for p in callbacks) and not any("WallClock" in a for a in overrides):
         args += [f"--trainer.callbacks+={CLOCK}"]
@@ -208,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
 
     runs: list[Run] = []
     fit_lines: list[str] = []
-    for config, name in zip(args.configs, _unique_names(args.configs)):
+    for config, name in zip(args.configs, _unique_names(args.configs), strict=True):
         fit_args = fit_arguments(config, log_root, name, overrides, args.max_steps, args.val_points)
         fit_lines.append(f"{name}: `{shlex.join(['lightning-muon', 'fit', *fit_args])}`")
         shutil.rmtree(log_root / name, ignore_errors=True)
@@ -250,8 +251,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     for run in runs[len(args.configs):]:
         notes.append(f"{run.name}: read from {run.source}.")
     png = plot_comparison(runs, baseline, out / "comparison.png")
-    command = shlex.join(["lightning-muon", "compare", *argv])
-    report = markdown_report(runs, baseline, command, notes, image=png.name, baseline_reason=reason)
+    compare_command = shlex.join(["lightning-muon", "compare", *argv])
+    report = markdown_report(runs, baseline, compare_command, notes, image=png.name, baseline_reason=reason)
     (out / "comparison.md").write_text(report)
     rows, target = summarize(runs, baseline)
     console.print(rich_table(rows, target))
