@@ -5,27 +5,16 @@ from __future__ import annotations
 
 import datetime
 import io
-import os
-import platform
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 RESULTS = Path(__file__).parent / "results"
 RESULTS_MD = Path(__file__).parent / "RESULTS.md"
-
-
-def machine(threads: int | None = None) -> str:
-    """One line: CPU, cores, torch threads (this process's unless given), torch version and CPU capability."""
-    return (
-        f"{platform.machine()}, {os.cpu_count()} CPUs, {threads or torch.get_num_threads()} torch threads, torch "
-        f"{torch.__version__} (CPU capability {torch.backends.cpu.get_cpu_capability()})"
-    )
 
 
 def command(script: str, argv: Sequence[str] | None) -> str:

@@ -28,22 +28,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).parent))
-import _report  # noqa: E402
+import lightning_muon.optim._update as muon_module
+from lightning_muon import Muon
 
-import lightning_muon.optim._update as muon_module  # noqa: E402
-from lightning_muon import Muon  # noqa: E402
+import _common
+import _report
 
 WORLD = 2
 MODES = {  # name -> (layout, split_ns)
@@ -52,10 +49,6 @@ MODES = {  # name -> (layout, split_ns)
     "FSDP2, split_ns=False (every rank gathers all)": ("fsdp2", False),
     "FSDP2, split_ns=True (owner ranks)": ("fsdp2", True),
 }
-
-
-def shapes(layers: int, width: int) -> list[tuple[int, int]]:
-    return [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers
 
 
 def timed_newton_schulz(seconds: list[float]):
@@ -80,8 +73,8 @@ def worker(rank: int, layers: int, width: int, repeats: int, init_file: str, out
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (WORLD,))
     torch.manual_seed(0)  # the same matrices and gradients on every rank, as after DDP's all-reduce
-    initial = [torch.randn(s) * 0.02 for s in shapes(layers, width)]
-    grads = [torch.randn(s) for s in shapes(layers, width)]
+    initial = [torch.randn(s) * 0.02 for s in _common.hidden_shapes(layers, width)]
+    grads = [torch.randn(s) for s in _common.hidden_shapes(layers, width)]
     ns_seconds = [0.0]
     muon_module.zeropower_via_newtonschulz = timed_newton_schulz(ns_seconds)
     optimizers, results = {}, {}
@@ -122,12 +115,15 @@ def main(argv: list[str] | None = None) -> None:
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
 
     table = Table(title=f"Muon per rank, {WORLD} CPU processes (gloo, 1 thread each), {name} hidden matrices")
-    columns = ("mode", "step ms (rank 0 / 1)", "step ratio", "NS ms (rank 0 / 1)", "NS ratio", "bytes sent", "of param bytes")
+    columns = ("mode", "step ms (rank 0 / 1)", "step ratio", "NS ms (rank 0 / 1)", "NS ratio", "bytes sent",
+               "of param bytes")
     for column in columns:
         table.add_column(column, justify="left" if column == "mode" else "right")
     param_bytes = ranks[0]["param_bytes"]
     median = {
-        (mode, what): [statistics.median(r["results"][mode][what]) for r in ranks] for mode in MODES for what in ("step", "ns")
+        (mode, what): [statistics.median(r["results"][mode][what]) for r in ranks]
+        for mode in MODES
+        for what in ("step", "ns")
     }
     for mode, (layout, split) in MODES.items():
         peer = next(m for m, (lay, s) in MODES.items() if lay == layout and not s)  # the same layout, not split
@@ -140,9 +136,9 @@ def main(argv: list[str] | None = None) -> None:
             table.add_row(mode, *cells, "not counted", "")
         else:
             table.add_row(mode, *cells, f"{sent:,}", f"{sent / param_bytes:.2f}")
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = _common.console(160)
     console.print(table)
-    details = f"{_report.machine(threads=1)} per rank; {repeats} timed steps per mode (median), modes taking turns"
+    details = f"{_common.machine(threads=1)} per rank; {repeats} timed steps per mode (median), modes taking turns"
     console.print(details)
     if not args.no_write:
         notes = (

@@ -14,21 +14,18 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _report  # noqa: E402
-from examples.char_gpt import CharGPT, StdlibTextDataModule  # noqa: E402
+from lightning_muon import MuonMonitor
 
-from lightning_muon import MuonMonitor  # noqa: E402
+import _common  # before `examples`: puts the repository root on sys.path
+import _report
+from examples.char_gpt import CharGPT, StdlibTextDataModule
 
 
 class BatchTimer(Callback):
@@ -77,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     print(line)
     if not args.no_write:
         details = (
-            f"{_report.machine()}; char_gpt default size, MuonMonitor(log_every_n_steps={args.every}), "
+            f"{_common.machine()}; char_gpt default size, MuonMonitor(log_every_n_steps={args.every}), "
             "orthogonality on"
         )
         path = _report.write("monitor_overhead", "MuonMonitor overhead", _report.command("monitor_overhead.py", argv),

@@ -12,9 +12,10 @@ Each optimizer steps on the same random gradients; the table reports the
 median step time, the ratio ours/torch, and the step against its physical
 limit: the Newton-Schulz FLOPs over the machine's matmul peak measured in the
 same run (a 2048^3 matmul in the NS dtype on CPU, 8192^3 on an accelerator),
-as a share of the peak and as a multiple of that shortest possible time. bf16 and fp32 Newton-Schulz are both measured: bf16 is the
-default (fast where the CPU has bf16 matmuls, e.g. AVX512-BF16/AMX), fp32 is
-the choice on CPUs without them.
+as a share of the peak and as a multiple of that shortest possible time. bf16
+and fp32 Newton-Schulz are both measured: bf16 is the default (fast where the
+CPU has bf16 matmuls, e.g. AVX512-BF16/AMX), fp32 is the choice on CPUs
+without them.
 
     python benchmarks/optimizer_step.py            # gpt2-small and width-128
     python benchmarks/optimizer_step.py --quick    # width-128 only, a few seconds
@@ -28,21 +29,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).parent))
-import _report  # noqa: E402
+import lightning_muon
+from lightning_muon.optim.newton_schulz import ns_flops
 
-import lightning_muon  # noqa: E402
-from lightning_muon.optim.newton_schulz import ns_flops  # noqa: E402
+import _common
+import _report
 
 MODELS = {
     "gpt2-small": (12, 768),
@@ -51,10 +49,6 @@ MODELS = {
 }
 #: Where the step runs (``--device``); timings synchronise it.
 DEVICE = torch.device("cpu")
-
-
-def hidden_shapes(layers: int, width: int) -> list[tuple[int, int]]:
-    return [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 7) -> float:
@@ -90,7 +84,7 @@ def bench_model(name: str, repeats: int, progress: Progress) -> list[dict]:
     The optimizers take turns step by step, so a slow spell of the machine hits all of them alike.
     """
     layers, width = MODELS[name]
-    shapes = hidden_shapes(layers, width)
+    shapes = _common.hidden_shapes(layers, width)
     torch.manual_seed(0)
     initial = [torch.randn(s, device=DEVICE) * 0.02 for s in shapes]
     grads = [torch.randn(s, device=DEVICE) for s in shapes]
@@ -123,7 +117,9 @@ def render(rows: list[dict], peaks: dict[torch.dtype, float]) -> Table:
     for column in columns:
         table.add_column(column, justify="left" if column in ("model", "optimizer") else "right")
     for row in rows:
-        torch_row = next(r for r in rows if r["model"] == row["model"] and r["optimizer"].startswith("torch.optim.Muon"))
+        torch_row = next(
+            r for r in rows if r["model"] == row["model"] and r["optimizer"].startswith("torch.optim.Muon")
+        )
         ratio = f"{row['seconds'] / torch_row['seconds']:.2f}" if row["optimizer"].startswith("lightning_muon") else ""
         if "Muon" in row["optimizer"]:
             peak = peaks[torch.float32 if "fp32" in row["optimizer"] else torch.bfloat16]
@@ -148,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     global DEVICE
     DEVICE = torch.device(args.device)
     models = args.models or (["width-128"] if args.quick else ["gpt2-small", "width-128"])
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    console = _common.console(140)
     n = 2048 if DEVICE.type == "cpu" else 8192
     peaks = {dtype: matmul_peak(dtype, n) for dtype in (torch.bfloat16, torch.float32)}
     rows: list[dict] = []
@@ -160,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     console.print(table)
     device = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else DEVICE.type
     details = (
-        f"{_report.machine()}, device {device}; matmul peak bf16 {peaks[torch.bfloat16] / 1e9:.0f} GFLOP/s, "
+        f"{_common.machine()}, device {device}; matmul peak bf16 {peaks[torch.bfloat16] / 1e9:.0f} GFLOP/s, "
         f"fp32 {peaks[torch.float32] / 1e9:.0f} GFLOP/s ({n}^3)"
     )
     console.print(details)
@@ -170,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
             "the step if Newton-Schulz ran at the peak and everything else took no time.\n"
         )
         name = "optimizer_step" if DEVICE.type == "cpu" else f"optimizer_step_{DEVICE.type}"
-        path = _report.write(name, "Optimizer step" + ("" if DEVICE.type == "cpu" else f" ({device})"), _report.command("optimizer_step.py", argv), details, [table], notes)
+        title = "Optimizer step" + ("" if DEVICE.type == "cpu" else f" ({device})")
+        path = _report.write(name, title, _report.command("optimizer_step.py", argv), details, [table], notes)
         console.print(f"wrote {path}")
 
 

@@ -28,24 +28,19 @@ import argparse
 import functools
 import logging
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
-from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import _report  # noqa: E402
-from examples.char_gpt import GPT, CharGPT, StdlibTextDataModule  # noqa: E402
+from lightning_muon import Muon
+from lightning_muon.optim.newton_schulz import ns_flops
 
-from lightning_muon import Muon  # noqa: E402
-from lightning_muon.optim.newton_schulz import ns_flops  # noqa: E402
+import _common  # before `examples`: puts the repository root on sys.path
+import _report
+from examples.char_gpt import GPT, CharGPT, StdlibTextDataModule
 
 #: configs/gpt_adamw.yaml's AdamW (the baseline), configs/gpt_muon.yaml's pair.
 BASELINE_ADAMW = {"lr": 0.00075, "betas": (0.9, 0.95), "weight_decay": 0.0}
@@ -164,20 +159,18 @@ def main(argv: list[str] | None = None) -> None:
         model_share = f"{ns / (model_flops + ns):.3f}" if optimizer == "Muon" else ""
         shares.add_row(f"{optimizer}.step", f"{1e3 * median:.2f}", f"{median / muon_step:.3f}", model_share)
 
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    console = _common.console(140)
     console.print(table)
     console.print(shares)
     flops_line = (
-        f"FLOP model: Newton-Schulz {ns / 1e9:.2f} GFLOP a step against 6 x {model_flops / 6 / BATCH / BLOCK / 1e6:.2f}M "
-        f"params x {BATCH * BLOCK} tokens = {model_flops / 1e9:.1f} GFLOP of forward and backward (attention's "
+        f"FLOP model: Newton-Schulz {ns / 1e9:.2f} GFLOP a step against "
+        f"6 x {model_flops / 6 / BATCH / BLOCK / 1e6:.2f}M params x {BATCH * BLOCK} tokens = "
+        f"{model_flops / 1e9:.1f} GFLOP of forward and backward (attention's "
         f"own FLOPs left out), so Newton-Schulz would be {ns / (model_flops + ns):.1%} of a step that ran both at "
         "the same speed"
     )
     console.print(flops_line)
-    details = (
-        f"{_report.machine()}, lightning {L.__version__}; {args.rounds} rounds x {args.steps - args.warmup} timed "
-        "steps per run"
-    )
+    details = f"{_common.machine()}; {args.rounds} rounds x {args.steps - args.warmup} timed steps per run"
     console.print(details)
     if not args.no_write:
         notes = (

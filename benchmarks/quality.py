@@ -31,7 +31,6 @@ import argparse
 import datetime
 import io
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -46,15 +45,12 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-ROOT = Path(__file__).resolve().parent.parent
-for path in (ROOT, ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+from lightning_muon.commands.compare import Run, fit_arguments, load_run, steps_to_reach
 
-import _report  # noqa: E402
+import _common  # puts the repository root on sys.path: the in-process digits_cnn fits import `examples`
+import _report
 
-from lightning_muon.commands.compare import Run, fit_arguments, load_run, steps_to_reach  # noqa: E402
-
+ROOT = _common.ROOT
 RESULTS = ROOT / "benchmarks" / "results"
 GPT_MUON, GPT_ADAMW, CNN = "configs/gpt_muon.yaml", "configs/gpt_adamw.yaml", "configs/cnn_muon.yaml"
 MUON_LR = "--model.init_args.muon.init_args.lr"
@@ -317,20 +313,13 @@ def cnn_benchmark(console: Console, adamw_lrs: Sequence[float], seeds: int) -> t
 
 
 def machine_line(load_before: tuple[float, float, float] | None) -> str:
-    import lightning
-    import torch
-
+    """`_common.machine` (with each fit's torch threads), the load average before and after, and the date."""
     load = ""
     if load_before is not None:
         after = os.getloadavg()
         load = (f"; load average (1/5/15 min) {' '.join(f'{x:.2f}' for x in load_before)} before, "
                 f"{' '.join(f'{x:.2f}' for x in after)} after (other work shared the machine: times are noisy)")
-    threads = THREADS if THREADS is not None else torch.get_num_threads()
-    return (f"{os.cpu_count()} CPU cores ({threads} torch thread{'s' if threads != 1 else ''} a run), "
-            f"{platform.platform(terse=True)}, "
-            f"Python {platform.python_version()}, torch {torch.__version__} (CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}), lightning {lightning.__version__}{load}; "
-            f"{datetime.date.today().isoformat()}")
+    return f"{_common.machine(THREADS)} a run{load}; {datetime.date.today().isoformat()}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -359,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             cfg[key] = getattr(args, key)
     suffix = "_quick" if args.quick else ""
     log_root = Path(args.logs) if args.logs else RESULTS / "quality_logs" / "lightning_logs" / mode
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    console = _common.console(140)
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     started = time.perf_counter()
     command = shlex.join(["python", "benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)])
@@ -383,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                       cfg["val_batches"], log_root,
                                       f"{done}/{total}"))
     gpt_s = time.perf_counter() - started
-    sweep, seeds_lines, numbers = gpt_tables(muon, adamw, cfg["steps"])
+    sweep, seeds_lines, _numbers = gpt_tables(muon, adamw, cfg["steps"])
     png = RESULTS / f"quality{suffix}.png"
     plot_quality(muon, adamw, png)
     edges = [f"{s.name}'s best lr {s.best:g} is at the edge of its sweep: a wider sweep may find better"

@@ -22,8 +22,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from examples.text_data import StdlibTextDataModule
 from lightning_muon import MuonMixin
+
+from examples.text_data import StdlibTextDataModule
 
 __all__ = ["GPT", "CharGPT", "StdlibTextDataModule"]
 

@@ -110,9 +110,8 @@ class CNN(L.LightningModule):
         self.stem_norm = nn.BatchNorm2d(channels)
         widths = [channels] * blocks_per_stage + [2 * channels] * blocks_per_stage
         strides = [1] * blocks_per_stage + [2] + [1] * (blocks_per_stage - 1)
-        self.blocks = nn.Sequential(
-            *(conv_block(c_in, c_out, s) for c_in, c_out, s in zip([channels] + widths[:-1], widths, strides))
-        )
+        layers = zip([channels, *widths[:-1]], widths, strides, strict=True)
+        self.blocks = nn.Sequential(*(conv_block(c_in, c_out, s) for c_in, c_out, s in layers))
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(2 * channels, NUM_CLASSES)
         self.val_acc = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")  # the fraction right

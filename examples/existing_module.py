@@ -28,8 +28,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from examples.text_data import StdlibTextDataModule
 from lightning_muon import MuonMixin
+
+from examples.text_data import StdlibTextDataModule
 
 __all__ = ["MuonLightningTransformer", "StdlibWindowsDataModule"]
 

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     print("orthogonality error of the last Muon update (0 = orthogonal; about 0.3 by design on well-conditioned "
           "momentum, higher when it is nearly low-rank):")
     for d in muon.diagnostics:
-        print(f"  {d.name:10s} {str(d.shape):12s} error {d.orthogonality_error.item():.3f}  "
+        print(f"  {d.name:10s} {d.shape!s:12s} error {d.orthogonality_error.item():.3f}  "
               f"update RMS {d.update_rms.item():.2e}  effective lr {d.effective_lr:.3g}")
 
 

@@ -35,9 +35,9 @@ __all__ = [
     "RandomOffsets",
     "StdlibTextDataModule",
     "build_corpus",
-    "corpus_path",
     "corpus_files",
     "corpus_key",
+    "corpus_path",
     "read_corpus",
     "stdlib_dir",
 ]

@@ -1,12 +1,14 @@
 """Run by tests/test_distributed.py in a subprocess: Lightning's ModelParallelStrategy re-launches this
 script for rank 1. Trains the test network fully sharded (FSDP2) on 2 CPU processes and saves every
 rank's gathered parameters to ``out``, and how many gradient reduce-scatters FSDP2 ran; optionally
-accumulates gradients, resumes from, or saves, a distributed checkpoint."""
+accumulates gradients, resumes from, or saves, a distributed checkpoint.
+
+``helpers`` imports without a ``sys.path`` edit: running a script (``python tests/fsdp2_run.py``, and Lightning's
+re-launch of it for rank 1) puts the script's own directory first on ``sys.path``."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -16,8 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_distributed import EndProcessGroup, MuonNet, SaveCheckpointAtEnd, SaveEveryRank, muon_factory  # noqa: E402
+from helpers import EndProcessGroup, MuonNet, SaveCheckpointAtEnd, SaveEveryRank, muon_factory
 
 
 class ShardedNet(MuonNet):

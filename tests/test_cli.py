@@ -25,10 +25,23 @@ def _in_repository_root(monkeypatch, tmp_path):
     monkeypatch.setenv("LIGHTNING_MUON_TEST_TMP", str(tmp_path))
 
 
+def parametrized_configs(test) -> list[str]:
+    """The config file names pytest runs ``test`` with, read from its ``parametrize`` mark."""
+    (mark,) = (m for m in getattr(test, "pytestmark", []) if m.name == "parametrize")
+    argnames, values = mark.args[:2]
+    assert argnames == "config", argnames
+    return [Path(getattr(v, "values", (v,))[0]).name for v in values]  # a path, or pytest.param(path, ...)
+
+
 def test_every_shipped_config_is_tested():
     names = {p.name for p in CONFIGS}
     assert {"gpt_muon.yaml", "gpt_adamw.yaml", "gpt_muon_ddp.yaml", "gpt_torch_muon.yaml", "cnn_muon.yaml",
             "existing_module_muon.yaml", "gpt_muon_fsdp2.yaml"} <= names
+    # Every configs/*.yaml is fitted through the real command, exactly once: in process, or on 2 processes.
+    in_process = parametrized_configs(test_config_fits_through_main)
+    two_processes = parametrized_configs(test_distributed_config_fits_with_two_processes)
+    assert sorted(in_process + two_processes) == sorted(names)
+    assert set(two_processes) == DISTRIBUTED  # no stale or misspelt name: each of them really runs distributed
 
 
 @pytest.mark.parametrize("config", [p for p in CONFIGS if p.name not in DISTRIBUTED], ids=lambda p: p.name)
@@ -39,6 +52,8 @@ def test_config_fits_through_main(config, capsys):
         assert "val_bpb" in out  # the example's closing line: val loss and bits per byte
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("config", [p for p in CONFIGS if p.name in DISTRIBUTED], ids=lambda p: p.name)
 def test_distributed_config_fits_with_two_processes(config):
     """Through the real command in a subprocess: Lightning's DDP launcher re-runs that command for rank 1."""
@@ -159,7 +174,9 @@ def test_unknown_subcommand_without_lightning_sdk_prints_usage(monkeypatch, caps
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lightning_sdk" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "lightning_sdk" else real(name, *a)
+    )
     with pytest.raises(SystemExit) as exit_info:
         main(["login"])
     assert exit_info.value.code == 2

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import socket
@@ -17,89 +16,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.multiprocessing.spawn import ProcessRaisedException
 
-from lightning_muon import Muon, MuonMixin
+from lightning_muon import Muon
 from lightning_muon.optim._collectives import assign_owners, is_dtensor
 from lightning_muon.optim.newton_schulz import zeropower_via_newtonschulz
+
+from helpers import EndProcessGroup, MuonNet, SaveCheckpointAtEnd, SaveEveryRank, muon_factory
 
 #: 2 ranks x batch 4 and 1 process x batch 8 differ only in float32 summation order; fp32 Newton-Schulz
 #: keeps 10 updates of that within this.
 TOLERANCE = 1e-4
-
-
-def sine_regression_loader(trainer: L.Trainer, samples: int, batch_size: int) -> DataLoader:
-    """``samples`` fixed inputs of width 8 with target ``sin(sum(x))``, sharded without shuffling under DDP:
-    rank r takes samples r, r + W, ..., so W ranks' batches of B / W together are one process's batch of B."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(samples, 8, generator=g)
-    data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
-    world, rank = trainer.world_size, trainer.global_rank
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
-    return DataLoader(data, batch_size=batch_size, sampler=sampler)
-
-
-class Net(L.LightningModule):
-    """Hidden matrices 16x8, 16x16 (twice: a batched job) and 24x16 on Muon; an optional sometimes-unused layer."""
-
-    def __init__(self, batch_size: int = 8, unused_every: int = 0) -> None:
-        super().__init__()
-        self.batch_size = batch_size
-        self.unused_every = unused_every
-        self.net = nn.Sequential(
-            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-            nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 1),
-        )
-        self.sometimes = nn.Linear(16, 16, bias=False)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        h = self.net[:6](x)
-        if self.unused_every and batch_idx % self.unused_every == 0:
-            h = h + torch.tanh(self.sometimes(h))
-        return nn.functional.mse_loss(self.net[6:](h), y)
-
-    def train_dataloader(self):
-        return sine_regression_loader(self.trainer, samples=128, batch_size=self.batch_size)
-
-
-class MuonNet(MuonMixin, Net):
-    pass
-
-
-class SaveEveryRank(L.Callback):
-    """Each rank writes its final parameters and its optimizers' exchange counters."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-
-    def on_train_end(self, trainer, pl_module):
-        muon = pl_module.optimizers()[0].optimizer
-        state = {
-            "params": {n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in pl_module.named_parameters()},
-            "exchange_bytes": muon.last_exchange_bytes,
-            "world": dist.get_world_size() if dist.is_initialized() else 1,
-        }
-        torch.save(state, self.directory / f"rank{trainer.global_rank}.pt")
-
-
-class EndProcessGroup(L.Callback):
-    """After a rank's successful fit (Lightning's last hook), skip the C++ teardown at interpreter exit.
-
-    Under pytest, torch 2.13 + gloo now and then abort a spawned rank there, after all its work is
-    done ("terminate called without an active exception", SIGABRT; seen about once a full run). The
-    process group is destroyed cleanly and the process then leaves through ``os._exit`` from an atexit
-    hook, after Lightning has handed rank 0's results to the parent.
-    """
-
-    def teardown(self, trainer, pl_module, stage):
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-        atexit.register(os._exit, 0)
-
-
-def muon_factory(split_ns: bool = True) -> functools.partial:
-    return functools.partial(Muon, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32, split_ns=split_ns)
 
 
 def train(tmp_path: Path, devices: int, split_ns: bool = True, unused_every: int = 0, steps: int = 10) -> list[dict]:
@@ -112,12 +39,14 @@ def train(tmp_path: Path, devices: int, split_ns: bool = True, unused_every: int
     tmp_path.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[SaveEveryRank(tmp_path), EndProcessGroup()], **kwargs,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[SaveEveryRank(tmp_path), EndProcessGroup()],
+        **kwargs,
     )
     trainer.fit(model)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(devices)]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("split_ns", [True, False], ids=["split", "not-split"])
 def test_two_ranks_with_half_batches_equal_one_process(tmp_path, split_ns):
     (single,) = train(tmp_path / "one", devices=1)
@@ -134,6 +63,7 @@ def test_two_ranks_with_half_batches_equal_one_process(tmp_path, split_ns):
         assert sent == [0, 0]
 
 
+@pytest.mark.distributed
 def test_a_parameter_without_gradient_on_some_steps_does_not_hang_or_diverge(tmp_path):
     (single,) = train(tmp_path / "one", devices=1, unused_every=3)
     rank0, rank1 = train(tmp_path / "two", devices=2, unused_every=3)
@@ -201,7 +131,9 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
             optimizer.step()
         results[name] = {
             "params": [(p.full_tensor() if is_dtensor(p) else p).detach() for p in params],
-            "diagnostics": sorted((d.name, d.orthogonality_error.item(), d.update_rms.item()) for d in optimizer.diagnostics),
+            "diagnostics": sorted(
+                (d.name, d.orthogonality_error.item(), d.update_rms.item()) for d in optimizer.diagnostics
+            ),
             "sent": optimizer.last_exchange_bytes,
         }
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
@@ -211,6 +143,7 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", list(SHARDED_CASES))
 def test_sharded_parameters_are_orthogonalised_whole(tmp_path, case):
     """DTensor parameters (FSDP2's row shards, uneven and empty ones included) give the unsharded result:
@@ -258,6 +191,7 @@ def run_fsdp2(out: Path, *args: str) -> list[dict]:
     return [{**torch.load(out / f"rank{r}.pt"), "syncs": torch.load(out / f"syncs{r}.pt")} for r in range(2)]
 
 
+@pytest.mark.distributed
 def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     """ModelParallelStrategy + fully_shard: every matrix is orthogonalised whole, so sharded training
     matches one process (a per-shard Newton-Schulz would be off by >10%, see the test above)."""
@@ -272,6 +206,8 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     assert rank0["exchange_bytes"] + rank1["exchange_bytes"] == 2 * 4 * (16 * 8 + 2 * 16 * 16 + 24 * 16)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_accumulation_reduces_gradients_only_on_the_last_micro_batch(tmp_path):
     (single,) = train(tmp_path / "one", devices=1, steps=4)
     plain = run_fsdp2(tmp_path / "plain", "--max-steps", "4", "--batch-size", "4")
@@ -304,6 +240,7 @@ class CountGradientSyncs(L.Callback):
         torch.save(self.calls, self.directory / f"syncs{trainer.global_rank}.pt")
 
 
+@pytest.mark.distributed
 def test_accumulation_syncs_gradients_only_on_the_last_micro_batch(tmp_path):
     (single,) = train(tmp_path / "one", devices=1, steps=4)
     L.seed_everything(0)
@@ -326,14 +263,8 @@ def test_accumulation_syncs_gradients_only_on_the_last_micro_batch(tmp_path):
         torch.testing.assert_close(rank0["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
 
 
-class SaveCheckpointAtEnd(L.Callback):
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer, pl_module):
-        trainer.save_checkpoint(self.path)
-
-
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ddp_resume_from_an_epoch_boundary_equals_the_uninterrupted_run(tmp_path):
     def fit(out: Path, epochs: int, ckpt_path: Path | None = None, save: Path | None = None) -> None:
         L.seed_everything(0)
@@ -363,6 +294,7 @@ class NoneOnSecondBatch(MuonNet):
         return None if batch_idx == 1 else super().training_step(batch, batch_idx)
 
 
+@pytest.mark.distributed
 def test_none_loss_under_ddp_is_refused_rather_than_hanging(tmp_path):
     model = NoneOnSecondBatch(batch_size=4, muon=muon_factory())
     trainer = L.Trainer(
@@ -370,12 +302,15 @@ def test_none_loss_under_ddp_is_refused_rather_than_hanging(tmp_path):
         enable_progress_bar=False, enable_model_summary=False,
         strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo", find_unused_parameters=True),
     )
-    with pytest.raises(Exception, match=r"Return `loss \* 0` to skip a batch"):
+    # The spawn launcher re-raises the rank's MisconfigurationException, its traceback in the message.
+    with pytest.raises(ProcessRaisedException, match=r"Return `loss \* 0` to skip a batch") as raised:
         trainer.fit(model)
+    assert "MisconfigurationException: training_step returned None" in str(raised.value)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path):
-    script = Path(__file__).parent / "fsdp2_run.py"
     checkpoint = tmp_path / "epoch1.ckpt"
     runs = {
         "straight": ["--max-epochs", "2"],

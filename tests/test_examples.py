@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-import csv
 import inspect
 import json
 import math
-import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # `pytest` (unlike `python -m pytest`) omits the root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_muon import Muon
+from lightning_muon.routing import ADAMW, MUON, route_parameters
 
-from examples import text_data  # noqa: E402
-from examples.char_gpt import GPT, CharGPT, StdlibTextDataModule  # noqa: E402
-from examples.digits_cnn import CNN, DigitsCNN, DigitsDataModule  # noqa: E402
-from examples.existing_module import MuonLightningTransformer, StdlibWindowsDataModule  # noqa: E402
-from lightning_muon import Muon  # noqa: E402
-from lightning_muon.routing import ADAMW, MUON, route_parameters  # noqa: E402
+from examples import text_data
+from examples.char_gpt import GPT, CharGPT, StdlibTextDataModule
+from examples.digits_cnn import CNN, DigitsCNN, DigitsDataModule
+from examples.existing_module import MuonLightningTransformer, StdlibWindowsDataModule
+from helpers import make_trainer, read_metrics
 
 SMALL_CORPUS = 120_000  # bytes: the first few dozen stdlib files
 UNCALLED = r"configure_optimizers will never be called"
@@ -43,22 +39,13 @@ def ready(datamodule: L.LightningDataModule) -> L.LightningDataModule:
 
 
 def trainer(tmp_path: Path, **kwargs) -> L.Trainer:
-    defaults = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": CSVLogger(tmp_path / "logs", name="", version=""),
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "log_every_n_steps": 1,
-        "num_sanity_val_steps": 0,
-    }
-    return L.Trainer(**{**defaults, **kwargs})
+    """`helpers.make_trainer` logging to ``tmp_path / "logs"``, where `logged` reads."""
+    return make_trainer(tmp_path, csv_dir=tmp_path / "logs", **kwargs)
 
 
 def logged(tmp_path: Path, key: str) -> list[float]:
-    with open(tmp_path / "logs" / "metrics.csv") as f:
-        return [float(row[key]) for row in csv.DictReader(f) if row.get(key)]
+    """The values ``key`` was logged with, in order."""
+    return [float(row[key]) for row in read_metrics(tmp_path / "logs") if row.get(key)]
 
 
 # ------------------------------------------------------------------ text data

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
 from pathlib import Path
@@ -13,25 +12,14 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.demos import LightningTransformer
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_muon import Muon, MuonMixin, WarmupCosine
 from lightning_muon.lightning import _checkpoint
 
-
-def trainer(tmp_path: Path, **kwargs) -> L.Trainer:
-    defaults = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": CSVLogger(tmp_path, name="", version=""),
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "log_every_n_steps": 1,
-    }
-    return L.Trainer(**{**defaults, **kwargs})
+from helpers import make_trainer, read_metrics
 
 
 class Recorder(Callback):
@@ -73,7 +61,7 @@ def test_boring_model_both_optimizers_step_every_parameter_moves(tmp_path):
     torch.manual_seed(0)
     model = MuonBoring()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    fit = trainer(tmp_path, max_steps=5)
+    fit = make_trainer(tmp_path, csv_dir=tmp_path, max_steps=5, num_sanity_val_steps=2)  # BoringModel validates
     fit.fit(model)
 
     muon, adamw = (o.optimizer for o in model.optimizers())
@@ -119,7 +107,7 @@ def test_demo_transformer_trains_with_muon_and_adamw(tmp_path):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     recorder = Recorder()
     with pytest.warns(UserWarning, match="LightningTransformer.configure_optimizers will never be called"):
-        trainer(tmp_path, max_steps=16, callbacks=[recorder]).fit(model)
+        make_trainer(tmp_path, csv_dir=tmp_path, max_steps=16, callbacks=[recorder]).fit(model)
 
     muon, adamw = (o.optimizer for o in model.optimizers())
     routing = model.muon_routing()
@@ -165,29 +153,25 @@ class MuonRegression(MuonMixin, Regression):
 def test_max_steps_counts_updates_not_optimizer_steps(tmp_path):
     model = MuonRegression()
     recorder = Recorder()
-    fit = trainer(tmp_path, max_steps=10, callbacks=[recorder])
+    fit = make_trainer(tmp_path, csv_dir=tmp_path, max_steps=10, callbacks=[recorder])
     fit.fit(model)
     assert fit.global_step == 10
     assert recorder.batches == 10
-    muon, adamw = (o.optimizer for o in model.optimizers())
+    _, adamw = (o.optimizer for o in model.optimizers())
     assert all(s["step"].item() == 10 for s in adamw.state.values())
-
-
-def read_csv(path: Path) -> list[dict[str, str]]:
-    with open(path) as f:
-        return list(csv.DictReader(f))
 
 
 def test_accumulation_takes_n_batches_per_update_and_names_checkpoints_by_updates(tmp_path):
     model = MuonRegression(batch_size=2, samples=64, accumulate_grad_batches=4)  # 32 batches an epoch
     recorder = Recorder()
     checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
-    fit = trainer(tmp_path, max_steps=10, callbacks=[recorder, checkpoints], enable_checkpointing=True)
+    fit = make_trainer(tmp_path, csv_dir=tmp_path, max_steps=10, callbacks=[recorder, checkpoints],
+                       enable_checkpointing=True)
     fit.fit(model)
     assert fit.global_step == 10
     assert recorder.batches == 40
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=5.ckpt", "epoch=1-step=10.ckpt"]
-    rows = read_csv(tmp_path / "metrics.csv")
+    rows = read_metrics(tmp_path)
     steps = sorted({int(r["step"]) for r in rows if r.get("train_loss")})
     assert steps == list(range(10))  # logger steps are updates, one per 4 batches
     # The trainer is reusable afterwards: manual optimization's own check sees accumulate_grad_batches == 1 again.
@@ -200,8 +184,8 @@ def test_accumulating_four_micro_batches_of_two_equals_one_batch_of_eight(tmp_pa
     big = MuonRegression(batch_size=8, samples=64, muon=muon)
     torch.manual_seed(0)
     small = MuonRegression(batch_size=2, samples=64, muon=muon, accumulate_grad_batches=4)
-    trainer(tmp_path / "big", max_steps=6, logger=False).fit(big)
-    trainer(tmp_path / "small", max_steps=6, logger=False).fit(small)
+    make_trainer(tmp_path / "big", max_steps=6).fit(big)
+    make_trainer(tmp_path / "small", max_steps=6).fit(small)
     # Same gradients up to float32 summation order; fp32 Newton-Schulz keeps it that tight.
     for (name, a), b in zip(big.named_parameters(), small.parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
@@ -209,7 +193,7 @@ def test_accumulating_four_micro_batches_of_two_equals_one_batch_of_eight(tmp_pa
 
 def test_last_partial_group_of_an_epoch_still_steps(tmp_path):
     model = MuonRegression(batch_size=8, samples=40, accumulate_grad_batches=2)  # 5 batches: 2 + 1 updates
-    fit = trainer(tmp_path, max_epochs=2, logger=False)
+    fit = make_trainer(tmp_path, max_epochs=2)
     fit.fit(model)
     assert fit.global_step == 6
 
@@ -243,7 +227,7 @@ def test_clipping_clips_the_global_norm_over_both_optimizers_once(tmp_path):
     clip = 1e-3
     model = MuonRegression(gradient_clip_val=clip)
     spy = GradientsAtStep()
-    trainer(tmp_path, max_steps=3, logger=False, callbacks=[spy]).fit(model)
+    make_trainer(tmp_path, max_steps=3, callbacks=[spy]).fit(model)
     assert len(spy.at_step) == 6  # two optimizers, three updates
     for update in range(3):
         before = {**spy.before_clip[2 * update], **spy.before_clip[2 * update + 1]}
@@ -260,9 +244,12 @@ def test_clipping_clips_the_global_norm_over_both_optimizers_once(tmp_path):
 
 def test_scheduler_steps_once_per_update_on_both_optimizers_with_total_from_the_trainer(tmp_path):
     model = MuonRegression(  # 32 batches, 8 updates an epoch with accumulation 4
-        batch_size=2, samples=64, accumulate_grad_batches=4, lr_scheduler=functools.partial(WarmupCosine, warmup_steps=2)
+        batch_size=2,
+        samples=64,
+        accumulate_grad_batches=4,
+        lr_scheduler=functools.partial(WarmupCosine, warmup_steps=2),
     )
-    fit = trainer(tmp_path, max_epochs=1, logger=False)
+    fit = make_trainer(tmp_path, max_epochs=1)
     fit.fit(model)
     assert fit.global_step == 8
     for config, base_lr in zip(fit.lr_scheduler_configs, (0.02, 3e-4)):
@@ -293,7 +280,7 @@ def test_routing_order_differences_are_refused():
             "micro_batches": 0,
         }
     }
-    with pytest.raises(Exception, match="Muon: the same parameters in a different order"):
+    with pytest.raises(MisconfigurationException, match="Muon: the same parameters in a different order"):
         model.on_load_checkpoint(checkpoint)
 
 
@@ -313,8 +300,8 @@ def test_non_plain_constructor_arguments_are_left_out_of_hparams_with_a_warning(
 
 def test_a_schedule_needing_the_fit_length_on_an_unbounded_fit_is_an_actionable_error(tmp_path):
     model = MuonRegression(lr_scheduler=functools.partial(WarmupCosine, warmup_steps=2))
-    with pytest.raises(Exception, match=r"set Trainer\(max_steps=...\) or max_epochs"):
-        trainer(tmp_path, max_epochs=-1, logger=False).fit(model)
+    with pytest.raises(MisconfigurationException, match=r"set Trainer\(max_steps=...\) or max_epochs"):
+        make_trainer(tmp_path, max_epochs=-1).fit(model)
 
 
 def test_a_factory_that_cannot_be_saved_as_a_spec_is_warned_about():

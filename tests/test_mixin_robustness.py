@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import csv
 import functools
 import math
 import re
 import warnings
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -22,6 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_muon import Muon, MuonMixin, WarmupCosine
+
+from helpers import make_trainer, read_metrics
 
 MUON_NAMES = ["net.0.weight", "net.2.weight"]
 ADAMW_NAMES = ["net.4.weight", "net.4.bias", "net.0.bias", "net.2.bias"]
@@ -58,20 +58,6 @@ class Parent(L.LightningModule):
 
 class Model(MuonMixin, Parent):
     pass
-
-
-def make_trainer(tmp_path: Path, **kwargs: Any) -> L.Trainer:
-    defaults = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "logger": False,
-        "default_root_dir": tmp_path,
-        "num_sanity_val_steps": 0,
-    }
-    return L.Trainer(**{**defaults, **kwargs})
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -131,11 +117,6 @@ class StepRecorder(Callback):
 
     def changed(self, step: int) -> set[str]:
         return {n for n, p in self.before[step].items() if not torch.equal(p, self.after[step][n])}
-
-
-def read_metrics(logger: CSVLogger) -> list[dict[str, str]]:
-    with open(Path(logger.log_dir) / "metrics.csv", newline="") as f:
-        return list(csv.DictReader(f))
 
 
 # ------------------------------------------------------------------ 1. 16-mixed with a real CPU GradScaler
@@ -267,7 +248,7 @@ def test_nan_gradient_32_true_skips_both_optimizers_warns_and_logs(tmp_path):
     assert not states_equal(recorder.states_before[3][1], recorder.states_after[3][1])
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
-    rows = read_metrics(logger)
+    rows = read_metrics(logger.log_dir)
     skipped = [(int(r["step"]), float(r["muon/skipped_steps"])) for r in rows if r.get("muon/skipped_steps")]
     # A cumulative count: first logged at the skipped step (logger step 2); Lightning re-reports the last value
     # of a step metric on later steps of the epoch, which for a running count is still right.
@@ -625,7 +606,7 @@ class TogglesModel(MuonMixin, TogglesParent):
 
 
 def test_toggle_optimizer_raises(tmp_path):
-    with pytest.raises(MisconfigurationException, match="toggle_optimizer.*steps Muon and AdamW together"):
+    with pytest.raises(MisconfigurationException, match=r"toggle_optimizer.*steps Muon and AdamW together"):
         make_trainer(tmp_path, max_steps=2).fit(TogglesModel())
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import functools
 import math
 from pathlib import Path
@@ -17,7 +16,8 @@ from torch import nn
 from lightning_muon import Muon, MuonMixin, MuonMonitor
 from lightning_muon.callbacks.monitor import lr_keys
 from lightning_muon.optim import _update
-from test_distributed import EndProcessGroup, sine_regression_loader
+
+from helpers import EndProcessGroup, make_trainer, read_metrics, sine_regression_loader
 
 
 class Regression(L.LightningModule):
@@ -55,21 +55,10 @@ class PlainMuon(Regression):
 def fit(
     tmp_path: Path, model: L.LightningModule, monitor: MuonMonitor, end_process_group: bool = False, **kwargs
 ) -> list[dict[str, str]]:
-    kwargs = {"devices": 1, **kwargs}
     extra = [EndProcessGroup()] if end_process_group else []  # spawned DDP ranks: see its docstring
-    trainer = L.Trainer(
-        accelerator="cpu",
-        logger=CSVLogger(tmp_path, name="", version=""),
-        callbacks=[monitor, *extra],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        log_every_n_steps=50,
-        **kwargs,
-    )
+    trainer = make_trainer(tmp_path, csv_dir=tmp_path, callbacks=[monitor, *extra], log_every_n_steps=50, **kwargs)
     trainer.fit(model)
-    with open(tmp_path / "metrics.csv") as f:
-        return list(csv.DictReader(f))
+    return read_metrics(tmp_path)
 
 
 def logged(rows: list[dict[str, str]]) -> dict[int, set[str]]:
@@ -161,8 +150,7 @@ def test_logged_error_agrees_with_svd_of_the_update(tmp_path, ns_coefficients, n
         max_steps=4,
     )
     trainer.fit(model)
-    with open(tmp_path / "metrics.csv") as f:
-        row = next(r for r in csv.DictReader(f) if r["step"] == "3")
+    row = next(r for r in read_metrics(tmp_path) if r["step"] == "3")
     errors = []
     for name in ("net.0.weight", "net.2.weight"):
         lr = model.optimizers()[0].optimizer.effective_lr(model.get_parameter(name))
@@ -219,8 +207,9 @@ def test_diagnostics_are_recorded_on_logging_steps_only(tmp_path, monkeypatch):
 
     model = MuonRegression()
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, logger=CSVLogger(tmp_path), callbacks=[Remember(), MuonMonitor(log_every_n_steps=4)],
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, max_steps=12,
+        accelerator="cpu", devices=1, logger=CSVLogger(tmp_path),
+        callbacks=[Remember(), MuonMonitor(log_every_n_steps=4)], enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, max_steps=12,
     )
     trainer.fit(model)
     # record runs once per shape bucket (16x8 and 24x16) during updates 4, 8 and 12 (global_step 3, 7, 11 then).
@@ -289,6 +278,7 @@ def test_adamw_baseline_logs_learning_rates_without_a_warning(tmp_path, recwarn)
     assert not [w for w in recwarn if "found no Muon optimizer" in str(w.message)]
 
 
+@pytest.mark.distributed
 def test_two_process_ddp_logs_the_same_error_as_one_process(tmp_path):
     """2 ranks x batch 4 (gloo) see the same averaged gradients as 1 process x batch 8.
 
@@ -298,7 +288,9 @@ def test_two_process_ddp_logs_the_same_error_as_one_process(tmp_path):
 
     muon = functools.partial(Muon, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32)
     torch.manual_seed(0)
-    single = fit(tmp_path / "one", MuonRegression(muon=muon, batch_size=8), MuonMonitor(log_every_n_steps=2), max_steps=4)
+    single = fit(
+        tmp_path / "one", MuonRegression(muon=muon, batch_size=8), MuonMonitor(log_every_n_steps=2), max_steps=4
+    )
     torch.manual_seed(0)
     ddp = fit(
         tmp_path / "ddp",

@@ -115,6 +115,7 @@ def test_unbatched_is_bit_identical_to_torch(adjust_lr_fn, nesterov, monkeypatch
     spy = _NSSpy(monkeypatch)
     _train(torch_opt, theirs, grads)
     _train(our_opt, ours, grads)
+    assert spy.shapes  # Newton-Schulz ran (an empty list would pass the next line)
     assert all(len(s) == 2 for s in spy.shapes)  # one matrix per call
     assert _all_equal(ours, theirs)
     assert _all_equal(_buffers(our_opt, ours), _buffers(torch_opt, theirs))

@@ -13,17 +13,14 @@ Measured: 2.289 against 2.544, a lead of 0.256 nats, against the tuned AdamW
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `pytest` (unlike `python -m pytest`) omits the root
-    sys.path.insert(0, str(ROOT))
+from lightning_muon.commands.cli import main
+from lightning_muon.commands.compare import load_run
 
-from lightning_muon.commands.cli import main  # noqa: E402
-from lightning_muon.commands.compare import load_run  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = 100
 MARGIN = 0.2  # nats
@@ -45,6 +42,7 @@ def final_val_loss(config: str, save_dir: Path) -> float:
     return run.val_loss[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_muon_beats_tuned_adamw_on_char_gpt(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the configs name examples.* by import path, from the repository root

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from examples import quickstart  # noqa: E402
+from examples import quickstart
 
 
 def test_quickstart_routes_trains_and_reports(capsys):

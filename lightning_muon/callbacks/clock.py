@@ -18,6 +18,10 @@ step) and once when training ends. ``time/tokens / time/train_s`` is the
 training throughput. The counts assume every rank gets batches of the same
 size (Lightning's distributed sampler, ``drop_last``); only rank zero logs.
 They start from zero when a run resumes from a checkpoint.
+
+Lightning's ``ThroughputMonitor`` reports windowed rates and needs a
+``batch_size_fn``; it has no training time with validation left out, which a
+comparison by time needs.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from lightning_muon.callbacks.metrics import OrthogonalityError, UpdateRMS
 from lightning_muon.lightning import _compat
 from lightning_muon.lightning._update_loop import SKIPPED_STEPS_KEY
 from lightning_muon.lightning.mixin import MuonMixin
-from lightning_muon.optim._update import group_adjusted_lr, lr_value, preview_update
+from lightning_muon.optim._update import group_effective_lr, lr_value, preview_update
 from lightning_muon.optim.muon import Muon
 from lightning_muon.optim.newton_schulz import orthogonality_error
 
@@ -158,7 +158,7 @@ class MuonMonitor(Callback):
             for group, key in zip(optimizer.param_groups, keys, strict=True):
                 metrics[key] = lr_value(group["lr"])
         effective = [
-            group_adjusted_lr(g, p.shape)
+            group_effective_lr(g, p.shape)
             for optimizer in self._muon
             for g in optimizer.param_groups
             for p in g["params"]
@@ -184,7 +184,7 @@ class MuonMonitor(Callback):
                 if id(p) not in chosen_ids or p.grad is None:
                     continue
                 update = preview_update(group, p.grad, optimizer.state[p].get("momentum_buffer"))
-                rms = update.square().mean().sqrt() * group_adjusted_lr(group, p.shape)
+                rms = update.square().mean().sqrt() * group_effective_lr(group, p.shape)
                 results.append((self._names.get(id(p), "?"), orthogonality_error(update), rms, p.numel()))
         return results
 

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
-from lightning_muon.optim.muon import adjust_lr
+from lightning_muon.optim._update import group_effective_lr
 from lightning_muon.routing import Routing
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -255,7 +255,7 @@ class MuonConfig:
         if muon_on:
             for group in self.build("muon", routing.muon_groups).param_groups:
                 for name, p in zip(group["param_names"], group["params"], strict=True):
-                    lrs[name] = adjust_lr(float(group["lr"]), group.get("adjust_lr_fn"), p.shape)
+                    lrs[name] = group_effective_lr(group, p.shape)
         adamw_groups = routing.adamw_groups if muon_on else routing.muon_groups + routing.adamw_groups
         for group in self.build("adamw", adamw_groups).param_groups:
             for name in group["param_names"]:

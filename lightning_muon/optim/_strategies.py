@@ -134,12 +134,12 @@ class ShardedStep(LocalStep):
         values = torch.zeros(starts[-1], 2, device=buckets[0].params[0].device)
         for j, stack in results.items():
             if chosen[j]:
-                errors, rms = _update.measure(stack[chosen[j]], buckets[j].adjusted_lr)
+                errors, rms = _update.measure(stack[chosen[j]], buckets[j].effective_lr)
                 values[starts[j] : starts[j + 1]] = torch.stack([errors, rms], dim=1)
         torch.distributed.all_reduce(values, group=self.world.group)
         diagnostics = []
         for j, bucket in enumerate(buckets):
-            lr = bucket.adjusted_lr
+            lr = bucket.effective_lr
             for row, i in zip(values[starts[j] : starts[j + 1]], chosen[j], strict=True):
                 shape = tuple(bucket.params[i].shape)
                 diagnostics.append(ParamDiagnostics(bucket.names[i], shape, lr, row[0], row[1]))

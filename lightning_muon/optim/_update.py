@@ -73,7 +73,7 @@ def lr_value(lr: float | Tensor) -> float:
     return lr.item() if isinstance(lr, Tensor) else float(lr)
 
 
-def group_adjusted_lr(group: dict[str, Any], shape: torch.Size | tuple[int, ...]) -> float:
+def group_effective_lr(group: dict[str, Any], shape: torch.Size | tuple[int, ...]) -> float:
     """`adjust_lr` with a param group's ``lr`` and ``adjust_lr_fn`` (``torch.optim.Muon``'s groups too)."""
     return adjust_lr(lr_value(group["lr"]), group.get("adjust_lr_fn"), shape)
 
@@ -136,9 +136,9 @@ class Bucket(NamedTuple):
     shape: tuple[int, int]
 
     @property
-    def adjusted_lr(self) -> float:
+    def effective_lr(self) -> float:
         """The shape-adjusted learning rate of the bucket's matrices."""
-        return group_adjusted_lr(self.group, self.shape)
+        return group_effective_lr(self.group, self.shape)
 
     @property
     def flops(self) -> int:
@@ -283,13 +283,13 @@ def apply(bucket: Bucket, orthogonal: list[Tensor]) -> None:
         torch._foreach_mul_(bucket.params, decay)
     # 2D updates go in as they are (a tall one is a transposed view: no copy); ND ones are unflattened.
     shaped = [o if o.shape == p.shape else o.reshape(p.shape) for o, p in zip(orthogonal, bucket.params, strict=True)]
-    torch._foreach_add_(bucket.params, shaped, alpha=-bucket.adjusted_lr)
+    torch._foreach_add_(bucket.params, shaped, alpha=-bucket.effective_lr)
 
 
-def measure(updates: Tensor, adjusted_lr: float) -> tuple[Tensor, Tensor]:
-    """Orthogonality error and applied-update RMS (``adjusted_lr * O``) of a ``(k, m, n)`` stack, in float32."""
+def measure(updates: Tensor, effective_lr: float) -> tuple[Tensor, Tensor]:
+    """Orthogonality error and applied-update RMS (``effective_lr * O``) of a ``(k, m, n)`` stack, in float32."""
     stack = updates.float()
-    return orthogonality_error(stack), stack.pow(2).mean(dim=(-2, -1)).sqrt() * adjusted_lr
+    return orthogonality_error(stack), stack.pow(2).mean(dim=(-2, -1)).sqrt() * effective_lr
 
 
 def record(bucket: Bucket, orthogonal: list[Tensor], diagnose: Chooser) -> list[ParamDiagnostics]:
@@ -300,7 +300,7 @@ def record(bucket: Bucket, orthogonal: list[Tensor], diagnose: Chooser) -> list[
     matrices = [orthogonal[j] for j in chosen]
     if is_dtensor(matrices[0]):
         matrices = [cast("DTensor", m).full_tensor().reshape(bucket.shape) for m in matrices]
-    lr = bucket.adjusted_lr
+    lr = bucket.effective_lr
     errors, rms = measure(torch.stack(matrices), lr)
     return [
         ParamDiagnostics(bucket.names[j], tuple(bucket.params[j].shape), lr, error, r)

@@ -198,7 +198,7 @@ class Muon(Optimizer):
         """The learning rate `param` really gets: its group's ``lr`` after `adjust_lr`."""
         for group in self.param_groups:
             if any(p is param for p in group["params"]):
-                return _update.group_adjusted_lr(group, param.shape)
+                return _update.group_effective_lr(group, param.shape)
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not in this optimizer")
 
     # ------------------------------------------------------------- diagnostics

@@ -13,6 +13,10 @@ __all__ = ["WarmupCosine"]
 class WarmupCosine(LambdaLR):
     """Linear warmup (``lr * k / warmup_steps`` on update ``k``), then a cosine decay to ``min_lr_ratio`` x lr.
 
+    torch's ``SequentialLR(LinearLR, CosineAnnealingLR)`` is the same curve, but needs the total length when
+    it is built; this one takes ``total_steps=None`` and lets `MuonMixin` fill in the fit's length later (any
+    scheduler with a ``total_steps`` attribute that is ``None`` after construction gets the same).
+
     Args:
         optimizer: the optimizer.
         warmup_steps: updates of linear warmup.

@@ -1,0 +1,141 @@
+"""Pieces several test modules share: a quiet test Trainer, the metrics-CSV reader, and the small sine-regression
+network the distributed tests (and ``fsdp2_run.py``, a subprocess script) train on several ranks.
+
+Importable as ``helpers``: ``tests/`` is on ``sys.path`` through pytest's ``pythonpath`` setting, and
+``python tests/fsdp2_run.py`` has its own directory there anyway. Not a test module: pytest collects nothing here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_muon import Muon, MuonMixin
+from lightning_muon.optim._collectives import is_dtensor
+
+# ------------------------------------------------------------------ Trainer and metrics
+
+
+def make_trainer(root: Path, *, csv_dir: Path | None = None, **kwargs: Any) -> L.Trainer:
+    """A quiet one-process CPU Trainer rooted at ``root``: no progress bar, model summary, checkpointing or sanity
+    check, every update logged; ``kwargs`` override any of it (``logger``, ``devices``, ``num_sanity_val_steps``, ...).
+
+    With ``csv_dir`` a CSVLogger writes ``csv_dir/metrics.csv`` (no name or version folders; `read_metrics` reads it
+    back); without it there is no logger.
+    """
+    defaults = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "default_root_dir": root,
+        "logger": CSVLogger(csv_dir, name="", version="") if csv_dir is not None else False,
+        "log_every_n_steps": 1,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "num_sanity_val_steps": 0,
+    }
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def read_metrics(directory: Path | str) -> list[dict[str, str]]:
+    """The rows of ``directory/metrics.csv`` as a CSVLogger wrote them (an empty string where a row has no value)."""
+    with open(Path(directory) / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+# ------------------------------------------------------------------ the distributed tests' network
+
+
+def sine_regression_loader(trainer: L.Trainer, samples: int, batch_size: int) -> DataLoader:
+    """``samples`` fixed inputs of width 8 with target ``sin(sum(x))``, sharded without shuffling under DDP:
+    rank r takes samples r, r + W, ..., so W ranks' batches of B / W together are one process's batch of B."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 8, generator=g)
+    data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+    world, rank = trainer.world_size, trainer.global_rank
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+    return DataLoader(data, batch_size=batch_size, sampler=sampler)
+
+
+class Net(L.LightningModule):
+    """Hidden matrices 16x8, 16x16 (twice: a batched job) and 24x16 on Muon; an optional sometimes-unused layer."""
+
+    def __init__(self, batch_size: int = 8, unused_every: int = 0) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.unused_every = unused_every
+        self.net = nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+            nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 1),
+        )
+        self.sometimes = nn.Linear(16, 16, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        h = self.net[:6](x)
+        if self.unused_every and batch_idx % self.unused_every == 0:
+            h = h + torch.tanh(self.sometimes(h))
+        return nn.functional.mse_loss(self.net[6:](h), y)
+
+    def train_dataloader(self):
+        return sine_regression_loader(self.trainer, samples=128, batch_size=self.batch_size)
+
+
+class MuonNet(MuonMixin, Net):
+    pass
+
+
+def muon_factory(split_ns: bool = True) -> functools.partial:
+    return functools.partial(Muon, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32, split_ns=split_ns)
+
+
+class SaveEveryRank(L.Callback):
+    """Each rank writes its final parameters and its optimizers' exchange counters."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        muon = pl_module.optimizers()[0].optimizer
+        state = {
+            "params": {
+                n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in pl_module.named_parameters()
+            },
+            "exchange_bytes": muon.last_exchange_bytes,
+            "world": dist.get_world_size() if dist.is_initialized() else 1,
+        }
+        torch.save(state, self.directory / f"rank{trainer.global_rank}.pt")
+
+
+class SaveCheckpointAtEnd(L.Callback):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+
+
+class EndProcessGroup(L.Callback):
+    """After a rank's successful fit (Lightning's last hook), skip the C++ teardown at interpreter exit.
+
+    Under pytest, torch 2.13 + gloo now and then abort a spawned rank there, after all its work is
+    done ("terminate called without an active exception", SIGABRT; seen about once a full run). The
+    process group is destroyed cleanly and the process then leaves through ``os._exit`` from an atexit
+    hook, after Lightning has handed rank 0's results to the parent.
+    """
+
+    def teardown(self, trainer, pl_module, stage):
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        atexit.register(os._exit, 0)

@@ -1,0 +1,113 @@
+"""Each wrapper of ``lightning_muon/lightning/_compat.py`` against the installed Lightning.
+
+These are the package's only uses of Lightning's private API. A Lightning
+release that renames or changes one of them fails here, naming the wrapper to
+update, instead of training wrongly somewhere else.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.trainer import call
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_muon import MuonMixin
+from lightning_muon.commands.lightning_cli import instantiate
+from lightning_muon.lightning import _compat
+
+FIX = "Lightning {} changed this private API: update lightning_muon/lightning/_compat.py ({})"
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "wrapper"),
+    [
+        (_TrainingEpochLoop, "_should_accumulate", "ends_update"),
+        (_TrainingEpochLoop, "_batches_that_stepped", "logger_step"),
+        (LightningOptimizer, "_on_before_step", "one_optimizer_step"),
+        (LightningOptimizer, "_on_after_step", "one_optimizer_step"),
+        (call, "_call_callback_hooks", "call_on_before_optimizer_step"),
+        (call, "_call_lightning_module_hook", "call_on_before_optimizer_step"),
+    ],
+)
+def test_the_private_names_exist(owner, name, wrapper):
+    present = hasattr(owner, name) or name in owner.__init__.__code__.co_names
+    assert present, FIX.format(L.__version__, f"{wrapper}: {owner.__name__}.{name} is gone")
+
+
+def test_the_checked_lightning_release_is_installed():
+    major_minor = ".".join(L.__version__.split(".")[:2])
+    assert major_minor in _compat.CHECKED_LIGHTNING, FIX.format(
+        L.__version__, "check every wrapper against this release, then add it to CHECKED_LIGHTNING"
+    )
+
+
+class Net(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(10, 4, generator=g), torch.randn(10, 1, generator=g)), batch_size=2)
+
+
+class MuonNet(MuonMixin, Net):
+    pass
+
+
+class Record(Callback):
+    """What each wrapper says at every training batch, and how often the optimizer hooks run."""
+
+    def __init__(self) -> None:
+        self.ends_update: list[bool] = []
+        self.logger_steps: list[int] = []
+        self.every: list[int] = []
+        self.before_optimizer_step: list[str] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.ends_update.append(_compat.ends_update(trainer))
+        self.logger_steps.append(_compat.logger_step(trainer))
+        self.every.append(_compat.log_every_n_steps(trainer))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.before_optimizer_step.append(type(optimizer).__name__)
+
+
+def test_the_wrappers_drive_a_real_fit():
+    """5 batches, 2 per update: updates end at batches 2, 4 and 5 (the epoch's last, partial group)."""
+    record = Record()
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, log_every_n_steps=3, callbacks=[record],
+    )
+    trainer.fit(MuonNet(accumulate_grad_batches=2))
+    assert record.ends_update == [False, True, False, True, True], FIX.format(L.__version__, "ends_update")
+    assert record.logger_steps == [0, 0, 1, 1, 2], FIX.format(L.__version__, "logger_step")
+    assert record.every == [3] * 5, FIX.format(L.__version__, "log_every_n_steps")
+    # one_optimizer_step: two optimizers step per update, global_step counts updates.
+    assert trainer.global_step == 3, FIX.format(L.__version__, "one_optimizer_step")
+    # call_on_before_optimizer_step: the callback hook once per optimizer per update.
+    assert record.before_optimizer_step == ["Muon", "AdamW"] * 3, FIX.format(
+        L.__version__, "call_on_before_optimizer_step"
+    )
+    # set_accumulate_grad_batches: the loop counted 2 micro-batches per update; teardown put 1 back.
+    assert trainer.accumulate_grad_batches == 1, FIX.format(L.__version__, "set_accumulate_grad_batches")
+
+
+def test_cli_class_path_is_what_lightning_cli_stores(tmp_path):
+    cli = instantiate(["--model", "test_compat.MuonNet", "--trainer.logger=false",
+                       f"--trainer.default_root_dir={tmp_path}"])
+    assert _compat.cli_class_path(cli.model.hparams) == "test_compat.MuonNet", FIX.format(
+        L.__version__, "cli_class_path"
+    )
+    assert _compat.cli_class_path(MuonNet().hparams) is None

@@ -1,0 +1,189 @@
+"""The package's structure, checked: imports run one way (no circle, nothing upward), Lightning's private
+API is used only in ``lightning/_compat.py``, and no class outgrows a newcomer's afternoon.
+
+``python tests/test_layout.py`` prints the import graph between the package's modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from functools import cache
+from pathlib import Path
+
+import lightning
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_muon"
+
+#: Layers, bottom to top: a module may import only from its own layer or lower ones.
+LAYERS = {
+    "lightning_muon.optim": 0,
+    "lightning_muon.routing": 0,
+    "lightning_muon.lightning": 1,
+    "lightning_muon.callbacks": 2,
+    "lightning_muon.commands": 3,
+    "lightning_muon": 4,  # the public API (__init__) and __main__
+}
+COMPAT = "lightning_muon.lightning._compat"
+LARGEST_CLASS = 200
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, ast.Module]:
+    return {module_name(p): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """Line numbers of imports inside ``if TYPE_CHECKING:`` blocks (no import at run time)."""
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for inner in node.body:
+                lines.update(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
+    return lines
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports at run time (function-level imports included)."""
+    trees = modules()
+    graph: dict[str, set[str]] = {name: set() for name in trees}
+    for name, tree in trees.items():
+        skip = _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if getattr(node, "lineno", None) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from pkg import submodule` depends on the submodule, `from pkg import name` on pkg.
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in trees else node.module
+                           for a in node.names]
+            else:
+                continue
+            graph[name].update(t for t in targets if t in trees and t != name)
+    return graph
+
+
+def layer(module: str) -> int:
+    """The layer of the longest prefix in `LAYERS` that ``module`` falls under."""
+    prefix = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[prefix]
+
+
+def test_the_import_graph_has_no_circle():
+    graph = import_graph()
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(module: str) -> None:
+        if module in visiting:
+            cycle = [*visiting[visiting.index(module) :], module]
+            raise AssertionError("import circle: " + " -> ".join(cycle))
+        if module in done:
+            return
+        visiting.append(module)
+        for target in sorted(graph[module]):
+            visit(target)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+    assert "lightning_muon.optim._update" in graph["lightning_muon.optim._strategies"]  # the graph is real
+
+
+def test_no_module_imports_upward():
+    examples = ("lightning_muon.optim.muon", "lightning_muon.commands.cli", "lightning_muon")
+    assert [layer(m) for m in examples] == [0, 3, 4]
+    upward = [
+        f"{module} (layer {layer(module)}) imports {target} (layer {layer(target)})"
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer(target) > layer(module)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+@cache
+def lightning_private_names() -> frozenset[str]:
+    """Every ``_name`` (not dunder) that Lightning's own source defines: functions, classes, attributes."""
+    names: set[str] = set()
+    pattern = re.compile(r"(?:def |class |self\.|\b)(_[a-z][a-z0-9_]*)\b")
+    for path in Path(lightning.__file__).parent.rglob("*.py"):
+        names.update(pattern.findall(path.read_text(errors="replace")))
+    return frozenset(names)
+
+
+@cache
+def own_names() -> frozenset[str]:
+    """Every name the package itself defines: modules, functions, classes, attributes it assigns."""
+    names = {p.stem for p in PACKAGE.rglob("*.py")}
+    for tree in modules().values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", None) == "setdefault"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):  # self.__dict__.setdefault("_name", ...)
+                names.add(str(node.args[0].value))
+    return frozenset(names)
+
+
+def private_lightning_uses(name: str, tree: ast.Module) -> list[str]:
+    """Lightning-private names a module uses: imported from lightning, or read as an attribute or a string
+    key (``"_class_path"``) that Lightning's source defines and this package does not."""
+    private = lightning_private_names() - own_names()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lightning":
+            found += [f"{name}:{node.lineno} imports {a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Attribute) and node.attr in private:
+            found.append(f"{name}:{node.lineno} uses .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in private:
+            found.append(f"{name}:{node.lineno} uses {node.value!r}")
+    return found
+
+
+def test_lightning_private_api_is_used_only_in_compat():
+    uses = {name: private_lightning_uses(name, tree) for name, tree in modules().items()}
+    assert uses[COMPAT], "the check finds nothing even in _compat.py: it is broken"
+    elsewhere = [use for name, found in uses.items() if name != COMPAT for use in found]
+    assert not elsewhere, "\n".join(elsewhere)
+
+
+def test_no_class_is_over_200_lines():
+    sizes = [
+        (node.end_lineno - node.lineno + 1, f"{name}.{node.name}")
+        for name, tree in modules().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None
+    ]
+    assert max(sizes)[0] > 100  # the measurement is real
+    assert [s for s in sizes if s[0] > LARGEST_CLASS] == []
+
+
+def test_the_public_api_is_the_top_level():
+    import lightning_muon
+
+    assert sorted(lightning_muon.__all__) == [
+        "Muon", "MuonMixin", "MuonMonitor", "ParamDiagnostics", "Routing", "WallClock", "WarmupCosine",
+        "adjust_lr", "orthogonality_error", "route_parameters", "zeropower_via_newtonschulz",
+    ]
+    for name in lightning_muon.__all__:
+        assert getattr(lightning_muon, name).__module__.startswith("lightning_muon."), name
+
+
+if __name__ == "__main__":
+    for module, targets in sorted(import_graph().items()):
+        print(f"{module} [layer {layer(module)}] -> {', '.join(sorted(targets)) or '(nothing of ours)'}")
