@@ -3,16 +3,12 @@
 `CNN` is an ordinary LightningModule; `DigitsCNN` trains it with Muon on the
 hidden conv kernels (each orthogonalised as the flattened
 ``out x in*kh*kw`` matrix) and AdamW on the stem conv, the norms and the
-classifier. The classifier goes to AdamW by routing's output-head rule; the
-stem is sent there by the one routing override the subclass sets,
-``adamw_params=["stem.*"]`` (the first layer sees raw pixels, 9 inputs per
-output, and is conventionally left to AdamW).
+classifier, all by routing's own rules: the classifier is the output head, the
+stem the input layer (it sees raw pixels, 9 inputs per output, and is
+conventionally left to AdamW; ``muon_params=["stem.weight"]`` would put it on Muon).
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
-from typing import Any
 
 import lightning as L
 import torch
@@ -151,11 +147,4 @@ class DigitsCNN(MuonMixin, CNN):
 
     Takes `CNN`'s arguments and `lightning_muon.MuonMixin`'s keyword-only
     optimizer arguments (``muon``, ``adamw``, ``lr_scheduler``, ...).
-
-    Args:
-        adamw_params: glob patterns of parameter names forced onto AdamW
-            (default: the stem conv).
     """
-
-    def __init__(self, *, adamw_params: Sequence[str] = ("stem.*",), **kwargs: Any) -> None:
-        super().__init__(adamw_params=adamw_params, **kwargs)

@@ -127,7 +127,7 @@ def test_lightning_demo_transformer():
 def test_small_cnn_conv_kernels_on_muon_classifier_head_on_adamw():
     routing = route_parameters(SmallCNN())
     assert groups_of(routing) == {
-        "features.0.weight": (MUON, "hidden"),
+        "features.0.weight": (ADAMW, "input"),  # Conv2d(1, 8): reads the raw input
         "features.0.bias": (ADAMW, "norms_and_biases"),
         "features.1.weight": (ADAMW, "norms_and_biases"),
         "features.1.bias": (ADAMW, "norms_and_biases"),
@@ -147,7 +147,7 @@ def test_small_cnn_conv_kernels_on_muon_classifier_head_on_adamw():
 def test_two_d_only_muon_sends_kernels_to_adamw():
     routing = route_parameters(SmallCNN(), muon_nd=False)
     got = groups_of(routing)
-    assert got["features.0.weight"] == (ADAMW, "other")
+    assert got["features.0.weight"] == (ADAMW, "input")
     assert got["features.3.weight"] == (ADAMW, "other")
     assert got["classifier.1.weight"] == (MUON, "hidden")
 
@@ -156,7 +156,7 @@ def test_user_patterns_take_precedence():
     model = SmallCNN()
     routing = route_parameters(model, adamw_params=["features.0.*"], muon_params=["classifier.3.weight"])
     got = groups_of(routing)
-    assert got["features.0.weight"] == (ADAMW, "other")
+    assert got["features.0.weight"] == (ADAMW, "input")
     assert got["features.0.bias"] == (ADAMW, "norms_and_biases")
     assert got["classifier.3.weight"] == (MUON, "hidden")
     reasons = {r.name: r.reason for r in routing.routes}

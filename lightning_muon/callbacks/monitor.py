@@ -44,7 +44,7 @@ from lightning_muon.callbacks.metrics import OrthogonalityError, UpdateRMS
 from lightning_muon.lightning import _compat
 from lightning_muon.lightning._update_loop import SKIPPED_STEPS_KEY
 from lightning_muon.lightning.mixin import MuonMixin
-from lightning_muon.optim._update import group_effective_lr, lr_value, preview_update
+from lightning_muon.optim._update import group_effective_lr, group_effective_lrs, lr_value, preview_update
 from lightning_muon.optim.muon import Muon
 from lightning_muon.optim.newton_schulz import orthogonality_error
 
@@ -157,12 +157,7 @@ class MuonMonitor(Callback):
         for optimizer, keys in zip(self._optimizers, self._keys, strict=True):
             for group, key in zip(optimizer.param_groups, keys, strict=True):
                 metrics[key] = lr_value(group["lr"])
-        effective = [
-            group_effective_lr(g, p.shape)
-            for optimizer in self._muon
-            for g in optimizer.param_groups
-            for p in g["params"]
-        ]
+        effective = [lr for optimizer in self._muon for g in optimizer.param_groups for lr in group_effective_lrs(g)]
         if effective:
             metrics["muon/effective_lr_min"] = min(effective)
             metrics["muon/effective_lr_max"] = max(effective)

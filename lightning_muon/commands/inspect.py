@@ -20,6 +20,13 @@ def main(args: Sequence[str]) -> None:
     if not isinstance(model, MuonMixin):
         console.print(f"{type(model).__name__} does not use MuonMixin: every parameter stays on its own optimizer.")
         return
+    if not any(p.requires_grad for p in model.parameters()):
+        # Layers built in configure_model (as Lightning builds them, before the optimizers).
+        model.configure_model()
+    if not any(p.requires_grad for p in model.parameters()):
+        name = type(model).__name__
+        console.print(f"{name} has no trainable parameter, even after configure_model(): nothing to route.")
+        return
     routing = model.muon_routing()
     lrs = model.muon_effective_lrs()
 

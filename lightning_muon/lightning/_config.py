@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
-from lightning_muon.optim._update import group_effective_lr
+from lightning_muon.optim._update import group_effective_lrs
 from lightning_muon.routing import Routing
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -254,8 +254,7 @@ class MuonConfig:
         muon_on = muon_enabled and bool(routing.muon_groups)
         if muon_on:
             for group in self.build("muon", routing.muon_groups).param_groups:
-                for name, p in zip(group["param_names"], group["params"], strict=True):
-                    lrs[name] = group_effective_lr(group, p.shape)
+                lrs.update(zip(group["param_names"], group_effective_lrs(group), strict=True))
         adamw_groups = routing.adamw_groups if muon_on else routing.muon_groups + routing.adamw_groups
         for group in self.build("adamw", adamw_groups).param_groups:
             for name in group["param_names"]:

@@ -157,14 +157,15 @@ class MuonMixin(_LightningModuleBase):
         return self._muon_loop.skipped_updates
 
     def muon_routing(self) -> Routing:
-        """Where every trainable parameter goes (Muon or AdamW) and why."""
+        """Where every trainable parameter goes (Muon or AdamW) and why: with ``muon=None``, all on AdamW."""
         muon_class = self._muon_config.muon_class
-        return route_parameters(
+        routing = route_parameters(
             self,
             muon_params=self._muon_config.muon_params,
             adamw_params=self._muon_config.adamw_params,
             muon_nd=muon_class is not None and issubclass(muon_class, Muon),
         )
+        return routing if self.muon_enabled else routing.all_on_adamw("muon=None: on AdamW")
 
     def muon_effective_lrs(self) -> dict[str, float]:
         """The learning rate each routed parameter will start with, by name (Muon's after the shape
@@ -179,8 +180,8 @@ class MuonMixin(_LightningModuleBase):
         rank_zero_info("\n" + routing.render())
         if self.muon_enabled and not routing.muon_groups:
             rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")
-        if not self.muon_enabled or not routing.muon_groups:
-            optimizers = [self._muon_config.build_adamw(routing.muon_groups + routing.adamw_groups)]
+        if not routing.muon_groups:
+            optimizers = [self._muon_config.build_adamw(routing.adamw_groups)]
         else:
             muon = self._muon_config.build("muon", routing.muon_groups)
             optimizers = [muon, self._muon_config.build_adamw(routing.adamw_groups)]

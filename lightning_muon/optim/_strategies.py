@@ -50,7 +50,7 @@ class LocalStep:
         # Bucket by bucket, so a matrix's buffer and gradient are still in cache for its whole update
         # (on CPU, sweeping every buffer first and orthogonalising afterwards measured slower).
         for bucket in buckets:
-            orthogonal = _update.orthogonalise(bucket.group, _update.momentum(bucket), bucket.shape)
+            orthogonal = _update.orthogonalise(bucket, _update.momentum(bucket))
             _update.apply(bucket, orthogonal)
             if diagnose is not None:
                 diagnostics += _update.record(bucket, orthogonal, diagnose)
@@ -77,11 +77,11 @@ class ReplicatedStep(LocalStep):
         local = {}
         for j, bucket in enumerate(buckets):
             if owners[j] == self.world.rank:
-                local[j] = _update.orthogonalise(bucket.group, _update.momentum(bucket), bucket.shape)
+                local[j] = _update.orthogonalise(bucket, _update.momentum(bucket))
             else:  # every rank keeps every momentum buffer; only the owner needs the update itself
                 _update.momentum(bucket, update=False)
         device = buckets[0].params[0].device
-        layouts = [b.layout for b in buckets]
+        layouts = [b.exchange_layout for b in buckets]
         gathered = all_gather_results(local, owners, layouts, self.world, device, self._buffers)
         self.exchanged_bytes = int(sum(t.numel() * t.element_size() for ts in local.values() for t in ts))
         diagnostics: list[ParamDiagnostics] = []
@@ -109,7 +109,7 @@ class ShardedStep(LocalStep):
         # The local shards (views: in-place updates reach the DTensors) do all the elementwise work.
         local = [bucket.local() for bucket in buckets]
         owners = assign_owners([b.flops for b in buckets], self.world.size)
-        layouts = [b.layout for b in buckets]
+        layouts = [b.exchange_layout for b in buckets]
         shards = [_update.momentum(bucket) for bucket in local]
         whole = gather_to_owners(shards, owners, layouts, self.world)
         results = {j: _update.orthogonalise_stack(buckets[j].group, stack) for j, stack in whole.items()}
@@ -146,11 +146,15 @@ class ShardedStep(LocalStep):
         return diagnostics
 
 
-def choose_strategy(params: Sequence[Tensor], split_ns: bool) -> LocalStep:
-    """The strategy for these parameters under the current process group (see the module docstring)."""
+def choose_strategy(params: Sequence[Tensor], split_ns: bool, stacks: bool = False) -> LocalStep:
+    """The strategy for these parameters under the current process group (see the module docstring).
+
+    With ``stacks`` (some parameter holds a stack of matrices, sharded on its stack dim under FSDP2), every
+    rank gathers the whole matrices instead of the owner exchange, which splits matrix rows.
+    """
     if not split_ns:
         return LocalStep()
-    sharded = sharded_world(params)
+    sharded = None if stacks else sharded_world(params)
     if sharded is not None:
         return ShardedStep(sharded)
     replicated = replicated_world(params) if params else None

@@ -38,9 +38,36 @@ _DEFAULT_BATCH_BYTES_ACCELERATOR = 1 << 28
 Chooser = Callable[[Tensor], bool]
 
 
-def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
-    """The ``(rows, cols)`` Muon works on: ``(shape[0], prod(shape[1:]))``."""
+#: How a parameter's tensor holds its matrices (a param group's ``matrix_layouts``, one per parameter):
+#: ``"flatten"`` (the default: a 2D weight, or a conv kernel seen as ``shape[0] x prod(shape[1:])``),
+#: ``"stack"`` (a batch of matrices over the leading dims, e.g. MoE experts ``E x out x in``: each
+#: orthogonalised on its own) and ``"in_out"`` (a 2D weight stored ``in x out``, as transformers' ``Conv1D``:
+#: Newton-Schulz does not care, the lr's shape scaling does).
+LAYOUTS = ("flatten", "stack", "in_out")
+
+
+def matrix_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:
+    """The ``(rows, cols)`` of each matrix Newton-Schulz works on: ``(shape[0], prod(shape[1:]))``, or the
+    last two dims for ``"stack"``."""
+    if layout == "stack":
+        return shape[-2], shape[-1]
     return shape[0], math.prod(shape[1:])
+
+
+def fan_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:
+    """``(fan_out, fan_in)`` of each matrix, what the lr's shape scaling reads (`adjust_lr`)."""
+    rows, cols = matrix_shape(shape, layout)
+    return (cols, rows) if layout == "in_out" else (rows, cols)
+
+
+def matrices_in(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> int:
+    """How many matrices a parameter of this shape holds (more than one only for ``"stack"``)."""
+    return math.prod(shape[:-2]) if layout == "stack" else 1
+
+
+def layouts_of(group: dict[str, Any]) -> list[str]:
+    """The layout of each parameter of a param group (``"flatten"`` where the group names none)."""
+    return group.get("matrix_layouts") or ["flatten"] * len(group["params"])
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size | tuple[int, ...]) -> float:
@@ -73,9 +100,16 @@ def lr_value(lr: float | Tensor) -> float:
     return lr.item() if isinstance(lr, Tensor) else float(lr)
 
 
-def group_effective_lr(group: dict[str, Any], shape: torch.Size | tuple[int, ...]) -> float:
-    """`adjust_lr` with a param group's ``lr`` and ``adjust_lr_fn`` (``torch.optim.Muon``'s groups too)."""
-    return adjust_lr(lr_value(group["lr"]), group.get("adjust_lr_fn"), shape)
+def group_effective_lr(group: dict[str, Any], shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> float:
+    """`adjust_lr` with a param group's ``lr`` and ``adjust_lr_fn`` (``torch.optim.Muon``'s groups too), for a
+    parameter of this shape and layout."""
+    return adjust_lr(lr_value(group["lr"]), group.get("adjust_lr_fn"), fan_shape(shape, layout))
+
+
+def group_effective_lrs(group: dict[str, Any]) -> list[float]:
+    """The effective lr of every parameter of a param group, in order."""
+    layouts = layouts_of(group)
+    return [group_effective_lr(group, p.shape, layout) for p, layout in zip(group["params"], layouts, strict=True)]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -132,23 +166,32 @@ class Bucket(NamedTuple):
     grads: list[Tensor]
     bufs: list[Tensor]
     names: list[str]
-    #: The flattened ``(m, n)`` shape of every matrix in the bucket.
+    #: The ``(m, n)`` shape of every matrix Newton-Schulz sees in the bucket.
     shape: tuple[int, int]
+    #: How the parameters hold their matrices (`LAYOUTS`), the same for the whole bucket.
+    layout: str = "flatten"
+    #: Matrices in each parameter (the stack size for ``"stack"``, else 1).
+    per_param: int = 1
 
     @property
     def effective_lr(self) -> float:
-        """The shape-adjusted learning rate of the bucket's matrices."""
-        return group_effective_lr(self.group, self.shape)
+        """The shape-adjusted learning rate of the bucket's matrices (from the whole matrix shape, also
+        when the bucket holds this rank's shards)."""
+        rows, cols = self.shape
+        fan = (cols, rows) if self.layout == "in_out" else (rows, cols)
+        return adjust_lr(lr_value(self.group["lr"]), self.group.get("adjust_lr_fn"), fan)
 
     @property
     def flops(self) -> int:
         """Newton-Schulz FLOPs of the whole bucket (what owner assignment balances)."""
-        return ns_flops(*self.shape) * len(self.params)
+        return ns_flops(*self.shape) * len(self.params) * self.per_param
 
     @property
-    def layout(self) -> tuple[int, tuple[int, int], torch.dtype]:
-        """``(count, (m, n), dtype)``: what a distributed exchange needs to know of the bucket."""
-        return len(self.params), self.shape, ns_dtype(self.group)
+    def exchange_layout(self) -> tuple[int, tuple[int, int], torch.dtype]:
+        """``(count, (rows, cols), dtype)``: one 2D block per parameter (its matrices one under the other),
+        what a distributed exchange needs to know of the bucket."""
+        m, n = self.shape
+        return len(self.params), (m * self.per_param, n), ns_dtype(self.group)
 
     def local(self) -> Bucket:
         """The bucket on this rank's shards (views: in-place updates reach the DTensors)."""
@@ -160,7 +203,11 @@ def _locals(tensors: list[Tensor]) -> list[Tensor]:
 
 
 def bucket_indices(
-    group: dict[str, Any], params: list[Tensor], whole_dtensors: bool = True, synced: bool = False
+    group: dict[str, Any],
+    params: list[Tensor],
+    whole_dtensors: bool = True,
+    synced: bool = False,
+    layouts: list[str] | None = None,
 ) -> list[list[int]]:
     """Indices of ``params`` in runs of same flattened shape, dtypes and device, within the byte cap.
 
@@ -169,18 +216,21 @@ def bucket_indices(
     exchanging work) leaves gradient dtypes out: every rank must build the same buckets, and a
     gradient missing on one rank is zeros there in the parameter's dtype.
     """
+    layouts = layouts or ["flatten"] * len(params)
     same: dict[tuple, list[int]] = defaultdict(list)
-    for k, p in enumerate(params):
+    for k, (p, layout) in enumerate(zip(params, layouts, strict=True)):
         grad_dtype = p.grad.dtype if p.grad is not None and not synced else p.dtype
-        key = (matrix_shape(p.shape), p.dtype, grad_dtype, p.device)
+        # A stack's matrices count too: same-shape stacks only (a flattened shape suffices otherwise).
+        shape = tuple(p.shape) if layout == "stack" else matrix_shape(p.shape)
+        key = (shape, layout, p.dtype, grad_dtype, p.device)
         same[(*key, k) if whole_dtensors and is_dtensor(p) else key].append(k)
     buckets: list[list[int]] = []
-    per_matrix_bytes = ns_dtype(group).itemsize
-    for (shape, _, _, device, *_), ks in same.items():
+    itemsize = ns_dtype(group).itemsize
+    for (shape, _, _, _, device, *_), ks in same.items():
         cap = group["ns_batch_bytes"]
         if cap is None:
             cap = _DEFAULT_BATCH_BYTES.get(device.type, _DEFAULT_BATCH_BYTES_ACCELERATOR)
-        per_call = max(1, cap // (math.prod(shape) * per_matrix_bytes))
+        per_call = max(1, cap // (math.prod(shape) * itemsize))
         buckets.extend(ks[i : i + per_call] for i in range(0, len(ks), per_call))
     return buckets
 
@@ -220,7 +270,8 @@ def collect_buckets(
     """
     buckets, index = [], 0
     for group in param_groups:
-        params, grads, bufs, names = [], [], [], []
+        params, grads, bufs, names, layouts = [], [], [], [], []
+        group_layouts = layouts_of(group)
         for i, p in enumerate(group["params"]):
             if not has_grad[index + i]:
                 continue
@@ -232,10 +283,12 @@ def collect_buckets(
                 state[p]["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
             bufs.append(state[p]["momentum_buffer"])
             names.append(_param_name(group, i, index + i) if named else "")
+            layouts.append(group_layouts[i])
         index += len(group["params"])
-        for ks in bucket_indices(group, params, whole_dtensors=whole_dtensors, synced=synced):
+        for ks in bucket_indices(group, params, whole_dtensors=whole_dtensors, synced=synced, layouts=layouts):
             pick = [params[k] for k in ks], [grads[k] for k in ks], [bufs[k] for k in ks], [names[k] for k in ks]
-            buckets.append(Bucket(group, *pick, matrix_shape(params[ks[0]].shape)))
+            layout, shape = layouts[ks[0]], params[ks[0]].shape
+            buckets.append(Bucket(group, *pick, matrix_shape(shape, layout), layout, matrices_in(shape, layout)))
     return buckets
 
 
@@ -250,9 +303,12 @@ def momentum(bucket: Bucket, update: bool = True) -> list[Tensor]:
     return list(torch._foreach_lerp(bucket.grads, bucket.bufs, beta)) if bucket.group["nesterov"] else bucket.bufs
 
 
-def orthogonalise(group: dict[str, Any], updates: list[Tensor], shape: tuple[int, int]) -> list[Tensor]:
-    """Newton-Schulz of same-shape updates: one call for a stack, the 2D path for a lone matrix."""
-    settings = _ns_settings(group)
+def orthogonalise(bucket: Bucket, updates: list[Tensor]) -> list[Tensor]:
+    """Newton-Schulz of a bucket's updates, one matrix at a time on its own: one batched call for several
+    matrices, the 2D path (bit-identical to ``torch.optim.Muon``) for a lone one. One result per update:
+    ``(m, n)``, or ``(matrices, m, n)`` for a stack."""
+    settings = _ns_settings(bucket.group)
+    matrix = bucket.shape if bucket.per_param == 1 else (-1, *bucket.shape)
     if len(updates) == 1 and is_dtensor(updates[0]):
         # Newton-Schulz needs the whole matrix, never a shard. Gather it, orthogonalise, and keep this
         # rank's shard of the result (every rank computes the same full matrix).
@@ -260,13 +316,17 @@ def orthogonalise(group: dict[str, Any], updates: list[Tensor], shape: tuple[int
 
         update = updates[0]
         assert isinstance(update, DTensor)
-        full = zeropower_via_newtonschulz(update.full_tensor().reshape(shape), **settings)
+        full = zeropower_via_newtonschulz(update.full_tensor().reshape(matrix), **settings)
         shard = distribute_tensor(full.reshape(update.shape), update.device_mesh, update.placements, src_data_rank=None)
         return [shard]
     if len(updates) == 1:
-        return [zeropower_via_newtonschulz(updates[0].reshape(shape), **settings)]
-    stack = torch.stack([u.reshape(shape) for u in updates])
-    return list(zeropower_via_newtonschulz(stack, **settings).unbind(0))
+        return [zeropower_via_newtonschulz(updates[0].reshape(matrix), **settings)]
+    if bucket.per_param == 1:
+        stack = torch.stack([u.reshape(matrix) for u in updates])
+        return list(zeropower_via_newtonschulz(stack, **settings).unbind(0))
+    stacks = torch.cat([u.reshape(matrix) for u in updates])
+    orthogonal = zeropower_via_newtonschulz(stacks, **settings)
+    return list(orthogonal.reshape(len(updates), bucket.per_param, *bucket.shape).unbind(0))
 
 
 def orthogonalise_stack(group: dict[str, Any], stack: Tensor) -> Tensor:
@@ -299,9 +359,14 @@ def record(bucket: Bucket, orthogonal: list[Tensor], diagnose: Chooser) -> list[
         return []
     matrices = [orthogonal[j] for j in chosen]
     if is_dtensor(matrices[0]):
-        matrices = [cast("DTensor", m).full_tensor().reshape(bucket.shape) for m in matrices]
+        matrices = [cast("DTensor", m).full_tensor() for m in matrices]
     lr = bucket.effective_lr
-    errors, rms = measure(torch.stack(matrices), lr)
+    # (chosen, matrices per parameter, m, n): a stack's numbers are over all of its matrices.
+    stacks = torch.stack([m.reshape(bucket.per_param, *bucket.shape) for m in matrices])
+    errors, rms = measure(stacks.flatten(0, 1), lr)
+    if bucket.per_param > 1:
+        errors = errors.reshape(len(chosen), -1).mean(dim=1)
+        rms = rms.reshape(len(chosen), -1).square().mean(dim=1).sqrt()
     return [
         ParamDiagnostics(bucket.names[j], tuple(bucket.params[j].shape), lr, error, r)
         for j, error, r in zip(chosen, errors, rms, strict=True)
@@ -324,4 +389,4 @@ def preview_update(group: dict[str, Any], grad: Tensor, buf: Tensor | None) -> T
         names=[""],
         shape=matrix_shape(grad.shape),
     )
-    return orthogonalise(group, momentum(bucket), bucket.shape)[0].float()
+    return orthogonalise(bucket, momentum(bucket))[0].float()

@@ -4,9 +4,12 @@ A drop-in superset of ``torch.optim.Muon``: the same constructor arguments,
 defaults, maths and state key (``momentum_buffer``), so a config or a state
 dict can move between the two for 2D parameters. Beyond it:
 
-- parameters with more than two dimensions (conv kernels) are orthogonalised
-  as the flattened ``(shape[0], prod(shape[1:]))`` matrix, and their learning
-  rate is adjusted for that flattened shape;
+- parameters with more than two dimensions: conv kernels are orthogonalised
+  as the flattened ``(shape[0], prod(shape[1:]))`` matrix (the default), stacks
+  of matrices (MoE experts) each on its own, and a weight stored ``in x out``
+  gets the lr of its real shape; a param group's ``matrix_layouts`` names the
+  layout of each parameter (``"flatten"``, ``"stack"``, ``"in_out"``), and
+  `lightning_muon.route_parameters` fills it in;
 - matrices of the same shape are orthogonalised together in one batched call
   (up to ``ns_batch_bytes`` per call), and the elementwise work uses
   ``torch._foreach_*`` kernels;
@@ -75,6 +78,21 @@ def _checked_arguments(
     ):
         raise ValueError(f"Invalid ns_batch_bytes: {ns_batch_bytes!r} (must be None or an int >= 0)")
     return ns_dtype
+
+
+def _refusal(p: Tensor, layout: str) -> str | None:
+    """Why Muon cannot take ``p`` with this matrix layout, or ``None``."""
+    if p.ndim < 2:
+        return (
+            "Muon orthogonalises matrices, so every parameter needs at least 2 dimensions. "
+            "Optimize biases, norms, scalars and embeddings with AdamW "
+            "(lightning_muon.route_parameters splits a model for you)."
+        )
+    if layout not in _update.LAYOUTS:
+        return f"its matrix layout {layout!r} is none of {_update.LAYOUTS}."
+    if (layout == "stack" and p.ndim < 3) or (layout == "in_out" and p.ndim != 2):
+        return f"the layout {layout!r} needs {'3 or more' if layout == 'stack' else '2'} dimensions."
+    return None
 
 
 class Muon(Optimizer):
@@ -172,14 +190,20 @@ class Muon(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         first_index = sum(len(g["params"]) for g in self.param_groups[:-1])
-        for i, p in enumerate(group["params"]):
-            if p.ndim < 2:
+        layouts = group.get("matrix_layouts")
+        if layouts is not None and (isinstance(layouts, str) or len(layouts) != len(group["params"])):
+            self.param_groups.pop()
+            raise ValueError(
+                f"matrix_layouts must be a list with one of {_update.LAYOUTS} per parameter of the group "
+                f"({len(group['params'])}), got {layouts!r}"
+            )
+        for i, (p, layout) in enumerate(zip(group["params"], _update.layouts_of(group), strict=True)):
+            problem = _refusal(p, layout)
+            if problem is not None:
                 self.param_groups.pop()  # refuse the whole group, as if it had never been added
                 raise ValueError(
                     f"Muon got {_update.describe_param(group, i, first_index + i)} of shape {tuple(p.shape)}: "
-                    "Muon orthogonalises matrices, so every parameter needs at least 2 dimensions. "
-                    "Optimize biases, norms, scalars and embeddings with AdamW "
-                    "(lightning_muon.route_parameters splits a model for you)."
+                    + problem
                 )
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -197,8 +221,9 @@ class Muon(Optimizer):
     def effective_lr(self, param: Tensor) -> float:
         """The learning rate `param` really gets: its group's ``lr`` after `adjust_lr`."""
         for group in self.param_groups:
-            if any(p is param for p in group["params"]):
-                return _update.group_effective_lr(group, param.shape)
+            for p, layout in zip(group["params"], _update.layouts_of(group), strict=True):
+                if p is param:
+                    return _update.group_effective_lr(group, param.shape, layout)
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not in this optimizer")
 
     # ------------------------------------------------------------- diagnostics
@@ -245,7 +270,8 @@ class Muon(Optimizer):
         """The distribution strategy, chosen at the first step (and again if ``split_ns`` changes)."""
         if self._strategy is None or self._strategy[0] != self.split_ns:
             every = [p for group in self.param_groups for p in group["params"]]
-            self._strategy = (self.split_ns, choose_strategy(every, self.split_ns))
+            stacks = any("stack" in _update.layouts_of(group) for group in self.param_groups)
+            self._strategy = (self.split_ns, choose_strategy(every, self.split_ns, stacks))
         return self._strategy[1]
 
     def _buckets(self, strategy: LocalStep, named: bool) -> list[Bucket]:

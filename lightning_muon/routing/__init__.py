@@ -8,8 +8,11 @@ every trainable parameter, in this order of precedence:
 1. user patterns (``muon_params`` / ``adamw_params``, globs on the full name);
 2. module type: ``nn.Embedding``, ``nn.EmbeddingBag`` and norm layers -> AdamW;
 3. weights tied to an embedding -> AdamW (once);
-4. the output head -> AdamW, found from the module tree (`find_output_head`);
-5. shape: 2 or more dimensions -> Muon (conv kernels flattened), else AdamW.
+4. the output heads -> AdamW (`find_output_heads`: the model's own conventions first);
+5. the input layer (a first conv on the raw input channels) -> AdamW;
+6. layout and shape: conv kernels (flattened), ``in x out`` weights (transformers' ``Conv1D``) and
+   stacks of matrices (each orthogonalised on its own) -> Muon, bare token and position tables ->
+   AdamW, 2D weights -> Muon, everything smaller -> AdamW.
 
 Frozen parameters go nowhere. The result holds ordinary param groups (with a
 ``name`` per group and the parameter names) and a table of every decision.
@@ -20,22 +23,23 @@ from __future__ import annotations
 import fnmatch
 import io
 import math
-import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
-__all__ = ["ADAMW", "MUON", "Route", "Routing", "find_output_head", "route_parameters"]
+from lightning_muon.routing import _roles
+from lightning_muon.routing._roles import find_output_heads
+
+__all__ = ["ADAMW", "MUON", "Route", "Routing", "find_output_head", "find_output_heads", "route_parameters"]
 
 MUON = "Muon"
 ADAMW = "AdamW"
 
 #: Group names, in the order the groups are returned.
-_GROUP_ORDER = {MUON: ("hidden",), ADAMW: ("embeddings", "head", "norms_and_biases", "other")}
-
-_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+_GROUP_ORDER = {MUON: ("hidden",), ADAMW: ("hidden", "embeddings", "input", "head", "norms_and_biases", "other")}
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class Route:
     optimizer: str  # MUON or ADAMW
     group: str
     reason: str
+    #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``: see `lightning_muon.Muon`).
+    layout: str = "flatten"
 
     @property
     def numel(self) -> int:
@@ -65,15 +71,17 @@ class Routing:
 
         Each group is ``{"name": ..., "params": [(param_name, tensor), ...]}``,
         which every ``torch.optim.Optimizer`` accepts (it keeps the names as
-        ``param_names``).
+        ``param_names``); a Muon group with stacked or ``in x out`` matrices also has
+        ``"matrix_layouts"``, one per parameter.
         """
-        groups = []
+        groups: list[dict[str, Any]] = []
         for group in _GROUP_ORDER[optimizer]:
-            named = [
-                (r.name, self.params[r.name]) for r in self.routes if r.optimizer == optimizer and r.group == group
-            ]
-            if named:
-                groups.append({"name": group, "params": named})
+            routes = [r for r in self.routes if r.optimizer == optimizer and r.group == group]
+            if not routes:
+                continue
+            groups.append({"name": group, "params": [(r.name, self.params[r.name]) for r in routes]})
+            if any(r.layout != "flatten" for r in routes):  # only where needed: plain groups stay as they were
+                groups[-1]["matrix_layouts"] = [r.layout for r in routes]
         return groups
 
     @property
@@ -111,6 +119,15 @@ class Routing:
         table.caption = totals
         return table
 
+    def all_on_adamw(self, why: str) -> Routing:
+        """The same routes with every Muon parameter on AdamW instead (the ``muon=None`` baseline), so the
+        table shows where parameters really go; their group stays ``hidden``."""
+        moved = [
+            replace(r, optimizer=ADAMW, reason=f"{r.reason}; {why}", layout="flatten") if r.optimizer == MUON else r
+            for r in self.routes
+        ]
+        return Routing(routes=moved, params=self.params)
+
     def render(self, effective_lr: Callable[[Route], float | None] | None = None, width: int = 140) -> str:
         """The table as plain text."""
         from rich.console import Console
@@ -123,48 +140,10 @@ class Routing:
         return self.render()
 
 
-def _is_norm(module: nn.Module) -> bool:
-    """Norm layers by type: torch's own, and custom classes named ``...Norm`` (``RMSNorm``, ``LayerNorm``...)."""
-    torch_norms = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
-    return isinstance(module, torch_norms) or re.search(r"Norm(\dd)?$", type(module).__name__) is not None
-
-
-def _in_repeated_block(name: str, modules: dict[str, nn.Module]) -> bool:
-    """Whether module ``name`` sits inside one of a stack of same-class blocks (``h.3.mlp.c_fc``).
-
-    A stack is a ``ModuleList`` or ``Sequential`` holding several children of
-    one (non-container) class: transformer blocks, residual stages.
-    """
-    containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-    parts = name.split(".")
-    for depth in range(1, len(parts)):
-        block = modules[".".join(parts[:depth])]
-        parent = modules[".".join(parts[: depth - 1])]
-        stacked = isinstance(parent, containers) and not isinstance(block, containers)
-        if stacked and sum(type(sibling) is type(block) for sibling in parent.children()) > 1:
-            return True
-    return False
-
-
 def find_output_head(module: nn.Module) -> str | None:
-    """The name of the module that produces the network's output, or None.
-
-    The head is the last ``nn.Linear`` (in registration order) that is not
-    inside a stack of repeated blocks; when the model has an embedding of
-    ``V`` rows, a Linear with ``V`` outputs is preferred (the LM head, wherever
-    it is registered). So in Lightning's demo ``Transformer`` the top-level
-    ``decoder`` Linear is the head, and the ``transformer.decoder`` stack is not.
-    """
-    modules = dict(module.named_modules())
-    linears = [
-        name
-        for name, m in modules.items()
-        if name and isinstance(m, nn.Linear) and not _in_repeated_block(name, modules)
-    ]
-    vocab = {m.num_embeddings for m in modules.values() if isinstance(m, _EMBEDDINGS)}
-    lm_heads = [name for name in linears if modules[name].out_features in vocab]
-    candidates = lm_heads or linears
-    return candidates[-1] if candidates else None
+    """The name of the model's (last) output head, or None; see `find_output_heads` for all of them."""
+    heads = find_output_heads(module)
+    return heads[-1] if heads else None
 
 
 def _check_patterns(kind: str, patterns: Sequence[str], aliases: dict[str, list[str]]) -> None:
@@ -177,6 +156,33 @@ def _check_patterns(kind: str, patterns: Sequence[str], aliases: dict[str, list[
                 f"{kind} pattern {pattern!r} matches no trainable parameter. "
                 f"Patterns are globs on full parameter names such as: {examples}"
             )
+
+
+def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool) -> tuple[str, str, str, str]:
+    """``(optimizer, group, reason, layout)`` of a parameter that no user pattern, module type, tie or head
+    decided: by its shape and its module's kind (a conv kernel, a weight stored in x out, a stack of
+    matrices, a bare table)."""
+    shape = tuple(p.shape)
+    own_weight = param_name == "weight" and not isinstance(module, nn.ParameterList | nn.ParameterDict)
+    if p.ndim < 2:
+        return ADAMW, "norms_and_biases", "bias" if name.endswith("bias") else f"{p.ndim}D tensor", "flatten"
+    if not own_weight and not _roles.is_conv(module) and _roles.is_table(param_name, p):
+        dims = "x".join(map(str, shape))
+        return ADAMW, "embeddings", f"token or position table ({dims})", "flatten"
+    if _roles.is_conv(module) and param_name == "weight":
+        if not muon_nd:
+            return ADAMW, "other", f"{p.ndim}D tensor and the Muon class is 2D-only", "flatten"
+        return MUON, "hidden", f"{p.ndim}D kernel, orthogonalised as {shape[0]}x{math.prod(shape[1:])}", "flatten"
+    if p.ndim == 2 and _roles.stores_in_out(module, param_name):
+        if not muon_nd:  # torch.optim.Muon scales the lr from the stored shape
+            return MUON, "hidden", "hidden matrix stored in x out (torch.optim.Muon scales its lr as stored)", "flatten"
+        return MUON, "hidden", f"hidden matrix stored in x out ({shape[1]}x{shape[0]} out x in)", "in_out"
+    if p.ndim == 2:
+        return MUON, "hidden", "hidden matrix", "flatten"
+    if not muon_nd:
+        return ADAMW, "other", f"{p.ndim}D tensor and the Muon class is 2D-only", "flatten"
+    count = math.prod(shape[:-2])
+    return MUON, "hidden", f"{count} stacked matrices {shape[-2]}x{shape[-1]}, each orthogonalised", "stack"
 
 
 def route_parameters(
@@ -202,6 +208,14 @@ def route_parameters(
             of pattern, or a tensor Muon cannot take is forced to Muon.
     """
     trainable: dict[str, Tensor] = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    lazy = [name for name, p in trainable.items() if is_lazy(p)]
+    if lazy:
+        raise ValueError(
+            f"{', '.join(lazy[:5])}{' and more' if len(lazy) > 5 else ''} are not initialised yet (lazy modules such "
+            "as nn.LazyLinear), so their shapes, and with them their optimizer, are unknown. Run one forward pass "
+            "with an example batch before the optimizers are built, e.g. at the end of the module's __init__: "
+            "`self(torch.zeros(1, in_features))`."
+        )
     owners: dict[int, list[tuple[str, nn.Module]]] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for p_name, p in mod.named_parameters(recurse=False):
@@ -209,7 +223,8 @@ def route_parameters(
     aliases = {name: [alias for alias, _ in owners[id(p)]] for name, p in trainable.items()}
     _check_patterns("muon_params", muon_params, aliases)
     _check_patterns("adamw_params", adamw_params, aliases)
-    head = find_output_head(module)
+    heads = find_output_heads(module)
+    input_layer = _roles.find_input_layer(module)
 
     routes = []
     for name, p in trainable.items():
@@ -218,10 +233,16 @@ def route_parameters(
         def matched(patterns: Sequence[str], name: str = name) -> str | None:
             return next((pat for pat in patterns if any(fnmatch.fnmatchcase(a, pat) for a in aliases[name])), None)
 
+        def module_of(alias: str) -> str:
+            return alias.rsplit(".", 1)[0] if "." in alias else ""
+
         to_muon, to_adamw = matched(muon_params), matched(adamw_params)
         own_module = next(mod for alias, mod in owners[id(p)] if alias == name)
-        embedding = next((alias for alias, mod in owners[id(p)] if isinstance(mod, _EMBEDDINGS)), None)
-        head_alias = next((alias for alias, _ in owners[id(p)] if head and alias.rsplit(".", 1)[0] == head), None)
+        param_name = name.rsplit(".", 1)[-1]
+        embedding = next((alias for alias, mod in owners[id(p)] if isinstance(mod, _roles.EMBEDDINGS)), None)
+        head = next((module_of(alias) for alias, _ in owners[id(p)] if module_of(alias) in heads), None)
+        is_input = param_name == "weight" and input_layer is not None and module_of(name) == input_layer
+        optimizer, group, reason, layout = _layout_route(name, p, own_module, param_name, muon_nd)
 
         if to_muon and to_adamw:
             raise ValueError(
@@ -235,28 +256,28 @@ def route_parameters(
                     f"muon_params pattern {to_muon!r} matches `{name}` of shape {shape}, but Muon needs "
                     f"{need} dimensions; narrow the pattern"
                 )
-            route = (MUON, "hidden", f"matches muon_params {to_muon!r}")
+            if optimizer != MUON:  # a table forced onto Muon: a matrix, or a stack of them
+                layout = "stack" if p.ndim > 2 else "flatten"
+            route = (MUON, "hidden", f"matches muon_params {to_muon!r}", layout)
         elif to_adamw:
             group = "other" if p.ndim >= 2 else "norms_and_biases"
-            group = "embeddings" if embedding else "head" if head_alias else group
-            route = (ADAMW, group, f"matches adamw_params {to_adamw!r}")
-        elif isinstance(own_module, _EMBEDDINGS):
-            route = (ADAMW, "embeddings", f"{type(own_module).__name__} weight")
-        elif _is_norm(own_module):
-            route = (ADAMW, "norms_and_biases", f"norm layer ({type(own_module).__name__})")
+            group = "embeddings" if embedding else "head" if head else "input" if is_input else group
+            route = (ADAMW, group, f"matches adamw_params {to_adamw!r}", "flatten")
+        elif isinstance(own_module, _roles.EMBEDDINGS):
+            route = (ADAMW, "embeddings", f"{type(own_module).__name__} weight", "flatten")
+        elif _roles.is_norm(own_module):
+            route = (ADAMW, "norms_and_biases", f"norm layer ({type(own_module).__name__})", "flatten")
         elif embedding:
-            route = (ADAMW, "embeddings", f"tied to embedding `{embedding}`")
-        elif head_alias:
-            route = (ADAMW, "head", f"output head `{head}`")
-        elif p.ndim == 2:
-            route = (MUON, "hidden", "hidden matrix")
-        elif p.ndim > 2 and muon_nd:
-            route = (MUON, "hidden", f"{p.ndim}D kernel, orthogonalised as {shape[0]}x{math.prod(shape[1:])}")
-        elif p.ndim > 2:
-            route = (ADAMW, "other", f"{p.ndim}D tensor and the Muon class is 2D-only")
+            route = (ADAMW, "embeddings", f"tied to embedding `{embedding}`", "flatten")
+        elif head:
+            route = (ADAMW, "head", f"output head `{head}`", "flatten")
+        elif is_input:
+            channels = getattr(own_module, "in_channels", "?")
+            kind = type(own_module).__name__
+            plural = "" if channels == 1 else "s"
+            route = (ADAMW, "input", f"input layer ({kind} on {channels} input channel{plural})", "flatten")
         else:
-            what = "bias" if name.endswith("bias") else f"{p.ndim}D tensor"
-            route = (ADAMW, "norms_and_biases", what)
+            route = (optimizer, group, reason, layout)
         routes.append(Route(name, shape, *route))
 
     routed = [r.name for r in routes]

@@ -1,0 +1,149 @@
+"""What a module or parameter is for, read from the model itself: heads, the input layer, token tables,
+stored orientation and stacks of matrices. `lightning_muon.routing` turns these into routes.
+
+Conventions of the ecosystem come first (transformers' ``get_output_embeddings()``, timm's
+``get_classifier()``, well-known module names), then structure. No library is imported: classes are
+recognised by name (transformers' ``Conv1D``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import Tensor, nn
+
+EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+#: Last name components that mark a Linear as a model's output head.
+HEAD_NAMES = frozenset({"lm_head", "head", "classifier", "score", "qa_outputs", "output", "logits", "seq_relationship"})
+#: Containers named so hold a head: their last Linear (``classifier.out_proj``, ``classifier.1``). Not
+#: ``output``, which transformers' BERT family also uses for a block's hidden projection.
+HEAD_CONTAINER_NAMES = frozenset({"lm_head", "head", "classifier", "score"})
+
+#: Bare parameters (not a layer's weight) that are embeddings: class/mask/register tokens, position tables.
+_TABLE_NAME = re.compile(r"(token|tokens|embed|embeds|embedding|embeddings|emb|table)$|^pe$|pos(ition)?_?(emb|bias)")
+
+#: Name components of attention blocks, whose output projection is never a head.
+_ATTENTION_NAME = re.compile(r"attn|attention", re.IGNORECASE)
+
+#: A conv reading this many channels or fewer, before any other conv, reads the raw input (pixels, audio).
+MAX_INPUT_CHANNELS = 4
+
+
+def is_norm(module: nn.Module) -> bool:
+    """Norm layers by type: torch's own, and custom classes named ``...Norm`` (``RMSNorm``, ``LayerNorm``...)."""
+    torch_norms = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._NormBase, nn.LocalResponseNorm)
+    return isinstance(module, torch_norms) or re.search(r"Norm(\dd)?$", type(module).__name__) is not None
+
+
+def is_conv(module: nn.Module) -> bool:
+    """torch's convolutions (``nn.Conv1d/2d/3d``, transposed and lazy ones): their kernels flatten."""
+    return isinstance(module, nn.modules.conv._ConvNd)
+
+
+def stores_in_out(module: nn.Module, param_name: str) -> bool:
+    """A weight stored ``in x out`` (transformers' ``Conv1D``, the GPT-2 family's Linear)."""
+    return type(module).__name__ == "Conv1D" and param_name == "weight"
+
+
+def is_table(param_name: str, param: Tensor) -> bool:
+    """A bare parameter that is a token or a position table (``cls_token``, ``pos_embed``, ...)."""
+    singleton = param.ndim >= 2 and 1 in param.shape[-2:]
+    return _TABLE_NAME.search(param_name) is not None or (param.ndim > 2 and singleton)
+
+
+def in_repeated_block(name: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether module ``name`` sits inside one of a stack of same-class blocks (``h.3.mlp.c_fc``).
+
+    A stack is a ``ModuleList`` or ``Sequential`` holding several children of
+    one (non-container) class: transformer blocks, residual stages.
+    """
+    parts = name.split(".")
+    for depth in range(1, len(parts)):
+        block = modules[".".join(parts[:depth])]
+        parent = modules[".".join(parts[: depth - 1])]
+        stacked = isinstance(parent, _CONTAINERS) and not isinstance(block, _CONTAINERS)
+        if stacked and sum(type(sibling) is type(block) for sibling in parent.children()) > 1:
+            return True
+    return False
+
+
+def _in_attention(name: str, modules: dict[str, nn.Module]) -> bool:
+    parts = name.split(".")
+    ancestors = [".".join(parts[:depth]) for depth in range(1, len(parts))]
+    return any(
+        isinstance(modules[a], nn.MultiheadAttention) or _ATTENTION_NAME.search(a.rsplit(".", 1)[-1]) for a in ancestors
+    ) or bool(_ATTENTION_NAME.search(parts[-1]))
+
+
+def _name_of(target: nn.Module, modules: dict[str, nn.Module]) -> str | None:
+    return next((name for name, m in modules.items() if m is target and name), None)
+
+
+def _conventional_heads(module: nn.Module, modules: dict[str, nn.Module]) -> list[str]:
+    """Heads the model names itself (``get_output_embeddings``, ``get_classifier``) or by a head's name."""
+    heads = []
+    for getter in ("get_output_embeddings", "get_classifier"):
+        try:
+            found = getattr(module, getter)() if callable(getattr(module, getter, None)) else None
+        except (NotImplementedError, AttributeError, TypeError):
+            found = None
+        name = _name_of(found, modules) if isinstance(found, nn.Module) else None
+        if name is not None:
+            heads.append(name)
+    for name, m in modules.items():
+        if not name or name.rsplit(".", 1)[-1] not in HEAD_NAMES or in_repeated_block(name, modules):
+            continue
+        if isinstance(m, nn.Linear):
+            heads.append(name)
+        elif name.rsplit(".", 1)[-1] in HEAD_CONTAINER_NAMES and not isinstance(m, EMBEDDINGS) and not is_norm(m):
+            inner = [f"{name}.{n}" for n, c in m.named_modules() if n and isinstance(c, nn.Linear)]
+            inner = [n for n in inner if not _in_attention(n, modules)]
+            if inner:
+                heads.append(inner[-1])
+    return [h for h in dict.fromkeys(heads) if not _in_attention(h, modules)]
+
+
+def token_vocabulary(modules: dict[str, nn.Module]) -> int | None:
+    """Rows of the token embedding: the largest embedding table that is not a position or type table."""
+    sizes = [
+        m.num_embeddings
+        for name, m in modules.items()
+        if isinstance(m, EMBEDDINGS) and not re.search(r"pos|type|segment", name.rsplit(".", 1)[-1])
+    ]
+    return max(sizes, default=None)
+
+
+def find_output_heads(module: nn.Module) -> list[str]:
+    """The names of the modules that produce the network's outputs (several for multi-task models).
+
+    In order: what the model says itself (transformers' ``get_output_embeddings()``, timm's
+    ``get_classifier()``) and modules with a head's name (`HEAD_NAMES`, outside repeated blocks); if
+    none, the structural rule: the last ``nn.Linear`` (registration order) outside stacks of repeated
+    blocks, preferring one with as many outputs as the token embedding has rows. A Linear inside an
+    attention block is never a head.
+    """
+    modules = dict(module.named_modules())
+    heads = _conventional_heads(module, modules)
+    if heads:
+        return heads
+    linears = [
+        name
+        for name, m in modules.items()
+        if name and isinstance(m, nn.Linear) and not in_repeated_block(name, modules)
+    ]
+    linears = [name for name in linears if not _in_attention(name, modules)]
+    vocabulary = token_vocabulary(modules)
+    lm_heads = [name for name in linears if vocabulary is not None and modules[name].out_features == vocabulary]
+    candidates = lm_heads or linears
+    return candidates[-1:]
+
+
+def find_input_layer(module: nn.Module) -> str | None:
+    """The first convolution (registration order) when it reads the raw input: ``in_channels`` of at most
+    `MAX_INPUT_CHANNELS` (a ResNet stem, a ViT patch embedding). ``None`` for models without one."""
+    first = next(((name, m) for name, m in module.named_modules() if name and is_conv(m)), None)
+    if first is None or first[1].in_channels > MAX_INPUT_CHANNELS:
+        return None
+    return first[0]
