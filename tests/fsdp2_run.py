@@ -57,10 +57,11 @@ if __name__ == "__main__":
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
     if args.save or args.ckpt:
-        # torch.distributed.checkpoint restores optimizer state for every parameter it could have;
-        # `sometimes` is never used here, so it is frozen rather than left without state.
-        model = ShardedNet(batch_size=args.batch_size, muon=muon_factory(), adamw_params=["net.8.*"])
-        model.sometimes.weight.requires_grad_(False)
+        # `sometimes` is a Muon matrix that never gets a gradient here: torch.distributed.checkpoint restores
+        # a state for every parameter, and Muon gives it a (zero) momentum buffer for that.
+        model = ShardedNet(
+            batch_size=args.batch_size, muon=muon_factory(), muon_params=["sometimes.weight"], adamw_params=["net.8.*"]
+        )
     else:
         model = ShardedNet(
             batch_size=args.batch_size,

@@ -529,11 +529,14 @@ CONSTRUCTOR_ERRORS = [
     ({"lr": -1.0}, ValueError, r"Invalid learning rate lr: -1\.0"),
     ({"lr": torch.tensor([0.1, 0.2])}, ValueError, r"Tensor lr must be 1-element, got shape \(2,\)"),
     ({"momentum": -0.1}, ValueError, r"Invalid momentum value: -0\.1"),
+    ({"momentum": 1.0}, ValueError, r"Invalid momentum value: 1\.0 \(must be in \[0, 1\)"),
+    ({"momentum": 1.5}, ValueError, r"Invalid momentum value: 1\.5 \(must be in \[0, 1\)"),
     ({"weight_decay": -1.0}, ValueError, r"Invalid weight_decay value: -1\.0"),
     ({"eps": -1e-7}, ValueError, r"Invalid eps value: -1e-07"),
     ({"adjust_lr_fn": "bogus"}, ValueError, r"Invalid adjust_lr_fn: 'bogus'.*'spectral'"),
     ({"ns_steps": 100}, ValueError, r"Invalid ns_steps: 100"),
     ({"ns_steps": -1}, ValueError, r"Invalid ns_steps: -1"),
+    ({"ns_steps": 0}, ValueError, r"Invalid ns_steps: 0 \(must be an int in \[1, 100\)"),
     ({"ns_steps": 2.0}, ValueError, r"Invalid ns_steps: 2\.0"),
     ({"ns_steps": True}, ValueError, r"Invalid ns_steps: True"),
     ({"ns_coefficients": (1, 2)}, ValueError, r"Invalid ns_coefficients: \(1, 2\)"),
@@ -576,13 +579,22 @@ PARAM_ERRORS = [
         r"parameter `fc\.bias` \(index 2\) of shape \(5,\)",
     ),
     (lambda: [{"params": [_w(4, 3), _w(4, 3)]}, {"params": [_w(7)]}], ValueError, r"parameter 2 of shape \(7,\)"),
+    (
+        lambda: [{"params": [_w(4, 3)], "matrix_layouts": ["flatten", "stack"]}],
+        ValueError,
+        r"matrix_layouts must be a list with one of .* per parameter of the group \(1\), got \['flatten', 'stack'\]",
+    ),
+    (lambda: [{"params": [_w(4, 3)], "matrix_layouts": ["stack"]}], ValueError, r"layout 'stack' needs 3 or more"),
+    (lambda: [{"params": [_w(2, 4, 3)], "matrix_layouts": ["in_out"]}], ValueError, r"layout 'in_out' needs 2"),
+    (lambda: [{"params": [_w(4, 3)], "matrix_layouts": ["rows"]}], ValueError, r"matrix layout 'rows' is none of"),
 ]
 
 
 @pytest.mark.parametrize(
     ("make_params", "error", "pattern"),
     PARAM_ERRORS,
-    ids=["1d", "0d", "named", "named-second-group", "second-group"],
+    ids=["1d", "0d", "named", "named-second-group", "second-group", "layouts-length", "stack-2d", "in_out-3d",
+         "unknown-layout"],
 )
 def test_vectors_are_refused_with_their_name_and_shape(make_params, error, pattern):
     with pytest.raises(error, match=pattern):

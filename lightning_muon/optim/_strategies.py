@@ -27,6 +27,7 @@ from lightning_muon.optim._collectives import (
     all_gather_results,
     assign_owners,
     gather_to_owners,
+    is_dtensor,
     replicated_world,
     scatter_from_owners,
     sharded_world,
@@ -43,6 +44,9 @@ class LocalStep:
     whole_dtensors = True
     #: Bytes this rank sent in the last step's exchanges.
     exchanged_bytes = 0
+    #: Every parameter needs a momentum buffer from the first step on (DTensor parameters: a distributed
+    #: checkpoint of FSDP2 resumes only when it has a state for every parameter).
+    complete_state = False
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
         """Momentum, Newton-Schulz and apply for every bucket; the diagnostics of the chosen matrices."""
@@ -152,6 +156,12 @@ def choose_strategy(params: Sequence[Tensor], split_ns: bool, stacks: bool = Fal
     With ``stacks`` (some parameter holds a stack of matrices, sharded on its stack dim under FSDP2), every
     rank gathers the whole matrices instead of the owner exchange, which splits matrix rows.
     """
+    strategy = _choose(params, split_ns, stacks)
+    strategy.complete_state = any(is_dtensor(p) for p in params)
+    return strategy
+
+
+def _choose(params: Sequence[Tensor], split_ns: bool, stacks: bool) -> LocalStep:
     if not split_ns:
         return LocalStep()
     sharded = None if stacks else sharded_world(params)

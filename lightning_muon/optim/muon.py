@@ -57,8 +57,10 @@ def _checked_arguments(
         raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
     if not 0.0 <= lr:
         raise ValueError(f"Invalid learning rate lr: {lr} (must be >= 0)")
-    if not 0.0 <= momentum:
-        raise ValueError(f"Invalid momentum value: {momentum} (must be >= 0)")
+    # Stricter than torch.optim.Muon, which accepts both: at momentum 1 the buffer never takes in a gradient
+    # (the matrices never move), above 1 it grows without bound (NaN weights from finite gradients).
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"Invalid momentum value: {momentum} (must be in [0, 1); Keller Jordan's default is 0.95)")
     if not 0.0 <= weight_decay:
         raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
     if not 0.0 <= eps:
@@ -67,8 +69,9 @@ def _checked_arguments(
         raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (must be None or one of {ADJUST_LR_FNS})")
     if len(tuple(ns_coefficients)) != 3:
         raise ValueError(f"Invalid ns_coefficients: {ns_coefficients!r} (must be three numbers (a, b, c))")
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
-        raise ValueError(f"Invalid ns_steps: {ns_steps!r} (must be an int in [0, 100))")
+    # Stricter than torch: 0 steps would apply the normalised momentum itself, not an orthogonalised update.
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 1 <= ns_steps < 100:
+        raise ValueError(f"Invalid ns_steps: {ns_steps!r} (must be an int in [1, 100); the default is 5)")
     if isinstance(ns_dtype, str):  # "bfloat16" or "torch.bfloat16", as YAML and saved hparams spell it
         ns_dtype = getattr(torch, ns_dtype.removeprefix("torch."), ns_dtype)
     if not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
@@ -281,6 +284,9 @@ class Muon(Optimizer):
         if strategy.world is not None and every:
             # Every rank must build the same buckets: a gradient missing on one rank is zero there.
             has_grad = any_rank(has_grad, every[0].device, strategy.world.group)
+        if strategy.complete_state:  # a zero buffer steps exactly as a fresh one when a gradient comes
+            for p in every:
+                self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
         return _update.collect_buckets(
             self.param_groups,
             self.state,

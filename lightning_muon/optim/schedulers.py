@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -22,7 +23,9 @@ class WarmupCosine(LambdaLR):
         warmup_steps: updates of linear warmup.
         total_steps: length of the whole schedule in updates. ``None`` lets
             `MuonMixin` fill in ``trainer.estimated_stepping_batches`` (the
-            number of updates of the fit) before the first step.
+            number of updates of the fit) before the first step; a fit resumed
+            from a checkpoint with another length then keeps its own length
+            (with a warning), so an extended run does not train at the final lr.
         min_lr_ratio: the final lr as a fraction of the base lr.
 
     In YAML (applied to both optimizers)::
@@ -48,7 +51,10 @@ class WarmupCosine(LambdaLR):
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
         self.warmup_steps = warmup_steps
         self.total_steps = total_steps
+        #: Whether the length comes from the fit (``total_steps=None`` here), not from the user.
+        self.total_from_fit = total_steps is None
         self.min_lr_ratio = min_lr_ratio
+        self._warned_past_end = False
         super().__init__(optimizer, self.factor, last_epoch)
 
     def factor(self, step: int) -> float:
@@ -57,6 +63,14 @@ class WarmupCosine(LambdaLR):
             return (step + 1) / self.warmup_steps
         if self.total_steps is None:
             return 1.0
+        if step > self.total_steps and self.min_lr_ratio == 0.0 and not self._warned_past_end:
+            self._warned_past_end = True
+            warnings.warn(
+                f"WarmupCosine is past its total_steps={self.total_steps} (update {step}): the lr stays at "
+                "min_lr_ratio * lr = 0 from here and nothing trains. Give total_steps=None (the fit's length) or a "
+                "longer total_steps, or a min_lr_ratio > 0.",
+                stacklevel=2,
+            )
         decay_steps = max(1, self.total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / decay_steps)
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
@@ -66,4 +80,20 @@ class WarmupCosine(LambdaLR):
         return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_lambdas")}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        fit_total = self.total_steps if self.total_from_fit else None
         self.__dict__.update(state_dict)
+        saved = state_dict.get("total_steps")
+        if fit_total is not None and self.total_from_fit and saved != fit_total:
+            # A resumed fit of another length (max_steps raised to extend a run): the schedule follows this fit.
+            warnings.warn(
+                f"WarmupCosine: the checkpoint's schedule was {saved} updates long, this fit is {fit_total}: the "
+                f"cosine now runs to update {fit_total}, from the restored update {self.last_epoch}. Give "
+                "total_steps explicitly to keep a fixed schedule.",
+                stacklevel=2,
+            )
+            self.total_steps = fit_total
+            # The optimizer's restored lrs are the old schedule's (0 at its end): set this update's.
+            lrs = [base * self.factor(self.last_epoch) for base in self.base_lrs]
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            self._last_lr = lrs
