@@ -1,10 +1,8 @@
-"""What several benchmarks share: the repository root on ``sys.path``, the GPT-style hidden matrix shapes, the
+"""What several benchmarks share: the repository root, the GPT-style hidden matrix shapes, the
 machine-and-versions line of every report, and the console they print to.
 
-Benchmarks run as ``python benchmarks/NAME.py`` from the repository root, which puts ``benchmarks/`` (so this
-module and ``_report``) on ``sys.path``. Importing this module also puts the repository root there: ``examples/``
-is not an installed package yet, and the benchmarks that train the examples import them (``from examples...``) or
-name them in configs (``examples.char_gpt.CharGPT``). Import ``_common`` before ``examples``.
+Benchmarks run as ``python benchmarks/NAME.py``, which puts ``benchmarks/`` (so this module and ``_report``) on
+``sys.path``; the examples they train are the installed package's (``lightning_muon.examples``).
 """
 
 from __future__ import annotations
@@ -17,10 +15,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-#: The repository root (``configs/``, ``examples/``, ``benchmarks/``).
+#: The repository root (``benchmarks/``, where the results go).
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # the one place: `examples` is not installed, so it is imported from the checkout
-    sys.path.insert(0, str(ROOT))
 
 
 def hidden_shapes(layers: int, width: int) -> list[tuple[int, int]]:

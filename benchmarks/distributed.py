@@ -20,7 +20,8 @@ sent, against the bytes of the (fp32) Muon parameters.
     python benchmarks/distributed.py            # GPT-2-small, 3 timed steps per mode
     python benchmarks/distributed.py --quick    # width-128 matrices, seconds
 
-Writes ``benchmarks/results/distributed.md``.
+Prints the table; with ``--write`` also writes ``benchmarks/results/distributed.md`` (and its
+``benchmarks/RESULTS.md`` section).
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="width-128 matrices instead of GPT-2-small")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--write", action="store_true",
+                        help="write benchmarks/results/distributed.md and its RESULTS.md section (else: print)")
     args = parser.parse_args(argv)
     layers, width, name = (4, 128, "width-128") if args.quick else (12, 768, "GPT-2-small")
     repeats = args.repeats or (20 if args.quick else 3)
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     console.print(table)
     details = f"{_common.machine(threads=1)} per rank; {repeats} timed steps per mode (median), modes taking turns"
     console.print(details)
-    if not args.no_write:
+    if args.write:
         notes = (
             "Ratios are against the same layout with `split_ns=False`, comparing the slower rank of each mode "
             "(a step waits for it). NS ms is the time inside Newton-Schulz only; a step also updates every "

@@ -6,7 +6,8 @@ batch; the median of the logging steps (orthogonality diagnosed, metrics
 reduced and logged) is compared with the median of the other steps, which
 must cost nothing extra (the optimizer's diagnostic path is not entered).
 
-    python benchmarks/monitor_overhead.py
+    python benchmarks/monitor_overhead.py            # prints the result
+    python benchmarks/monitor_overhead.py --write    # and writes benchmarks/results/monitor_overhead.md
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_muon import MuonMonitor
+from lightning_muon.examples.char_gpt import CharGPT, StdlibTextDataModule
 
-import _common  # before `examples`: puts the repository root on sys.path
+import _common
 import _report
-from examples.char_gpt import CharGPT, StdlibTextDataModule
 
 
 class BatchTimer(Callback):
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--every", type=int, default=5, help="MuonMonitor(log_every_n_steps=...)")
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--write", action="store_true",
+                        help="write benchmarks/results/monitor_overhead.md and its RESULTS.md section (else: print)")
     args = parser.parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         f"(median of {len(other_steps)}): ratio {log_ms / other_ms:.3f}"
     )
     print(line)
-    if not args.no_write:
+    if args.write:
         details = (
             f"{_common.machine()}; char_gpt default size, MuonMonitor(log_every_n_steps={args.every}), "
             "orthogonality on"

@@ -21,8 +21,8 @@ without them.
     python benchmarks/optimizer_step.py --quick    # width-128 only, a few seconds
     python benchmarks/optimizer_step.py --device cuda --models gpt2-small 24x2048   # a GPU, bf16 NS
 
-Writes ``benchmarks/results/optimizer_step.md`` (``optimizer_step_cuda.md`` on a
-GPU) and prints the same table.
+Prints the table; with ``--write`` also writes ``benchmarks/results/optimizer_step.md``
+(``optimizer_step_cuda.md`` on a GPU) and its ``benchmarks/RESULTS.md`` section.
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="matrix sets to run (default: gpt2-small width-128)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or an accelerator such as cuda")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per optimizer (median reported)")
-    parser.add_argument("--no-write", action="store_true", help="print only, do not write the results file")
+    parser.add_argument("--write", action="store_true",
+                        help="write benchmarks/results/optimizer_step.md and its RESULTS.md section (else: print)")
     args = parser.parse_args(argv)
 
     global DEVICE
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         f"fp32 {peaks[torch.float32] / 1e9:.0f} GFLOP/s ({n}^3)"
     )
     console.print(details)
-    if not args.no_write:
+    if args.write:
         notes = (
             "The NS limit is the Newton-Schulz FLOPs of one step over the measured matmul peak in the NS dtype: "
             "the step if Newton-Schulz ran at the peak and everything else took no time.\n"

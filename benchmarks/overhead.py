@@ -19,7 +19,8 @@ the Muon run the two optimizers' ``step`` calls are timed too, and set against
 the FLOP model: Newton-Schulz FLOPs of one step over ``6 x params x tokens`` of
 forward and backward.
 
-    python benchmarks/overhead.py
+    python benchmarks/overhead.py            # prints the tables
+    python benchmarks/overhead.py --write    # and writes benchmarks/results/overhead.md
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ from lightning.pytorch.callbacks import Callback
 from rich.table import Table
 
 from lightning_muon import Muon
+from lightning_muon.examples.char_gpt import GPT, CharGPT, StdlibTextDataModule
 from lightning_muon.optim.newton_schulz import ns_flops
 
-import _common  # before `examples`: puts the repository root on sys.path
+import _common
 import _report
-from examples.char_gpt import GPT, CharGPT, StdlibTextDataModule
 
 #: configs/gpt_adamw.yaml's AdamW (the baseline), configs/gpt_muon.yaml's pair.
 BASELINE_ADAMW = {"lr": 0.00075, "betas": (0.9, 0.95), "weight_decay": 0.0}
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--write", action="store_true",
+                        help="write benchmarks/results/overhead.md and its RESULTS.md section (else: print)")
     args = parser.parse_args(argv)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     console.print(flops_line)
     details = f"{_common.machine()}; {args.rounds} rounds x {args.steps - args.warmup} timed steps per run"
     console.print(details)
-    if not args.no_write:
+    if args.write:
         notes = (
             f"{flops_line}. A measured Muon share below the FLOP model's means Newton-Schulz runs its FLOPs "
             "faster than forward and backward run theirs (bf16 Newton-Schulz against fp32 training here); above "

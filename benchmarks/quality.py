@@ -2,7 +2,7 @@
 
 Two examples, both through the real configs:
 
-- ``char_gpt`` (``configs/gpt_muon.yaml`` / ``configs/gpt_adamw.yaml``, the default
+- ``char_gpt`` (the shipped ``gpt_muon.yaml`` / ``gpt_adamw.yaml``, the default
   4-layer width-128 byte-level GPT): a learning-rate sweep of each side at seed 0
   (AdamW-only: the AdamW lr; Muon + AdamW: the Muon lr, AdamW's lr on the
   embeddings, norms and head left at the config's), then more seeds at each side's
@@ -14,15 +14,17 @@ Two examples, both through the real configs:
   Reported: final val loss (mean, std, min-max over seeds), the step and the train
   time at which the Muon side's mean curve first reaches the AdamW side's mean final
   val loss, and tokens/s.
-- ``digits_cnn`` (``configs/cnn_muon.yaml``, its 5 epochs): test accuracy of Muon +
+- ``digits_cnn`` (``cnn_muon.yaml``, its 5 epochs): test accuracy of Muon +
   AdamW against AdamW alone (a small AdamW lr sweep, best by mean accuracy) at
   equal epochs over seeds, fitted and tested in process through `MuonCLI`.
 
-Writes ``benchmarks/results/quality[_quick].md`` and ``.png`` and the matching
-section of ``benchmarks/RESULTS.md``. Run from the repository root:
+Prints the report; writes files only when asked: ``--write`` writes
+``benchmarks/results/quality[_quick].md`` and ``.png`` and the matching section of
+``benchmarks/RESULTS.md``; ``--out DIR`` writes the ``.md`` and ``.png`` to ``DIR`` instead (a trial run).
 
-    python benchmarks/quality.py --quick     # under 10 minutes on 2 CPU cores
-    python benchmarks/quality.py             # the full sweep (about 4x the steps and runs)
+    python benchmarks/quality.py --quick             # under 10 minutes on 2 CPU cores, printed only
+    python benchmarks/quality.py --write             # the full sweep (about 4x the steps and runs), recorded
+    python benchmarks/quality.py --steps 30 --seeds 1 --no-cnn --out /tmp/q   # a small trial
 """
 
 from __future__ import annotations
@@ -47,12 +49,12 @@ from rich.console import Console
 
 from lightning_muon.commands.compare import Run, fit_arguments, load_run, steps_to_reach
 
-import _common  # puts the repository root on sys.path: the in-process digits_cnn fits import `examples`
+import _common
 import _report
 
 ROOT = _common.ROOT
 RESULTS = ROOT / "benchmarks" / "results"
-GPT_MUON, GPT_ADAMW, CNN = "configs/gpt_muon.yaml", "configs/gpt_adamw.yaml", "configs/cnn_muon.yaml"
+GPT_MUON, GPT_ADAMW, CNN = "gpt_muon.yaml", "gpt_adamw.yaml", "cnn_muon.yaml"  # the shipped configs, by name
 MUON_LR = "--model.init_args.muon.init_args.lr"
 ADAMW_LR = "--model.init_args.adamw.init_args.lr"
 
@@ -246,12 +248,13 @@ def plot_quality(muon: Side, adamw: Side, path: Path) -> None:
 
 
 def cnn_test_accuracy(seed: int, adamw_lr: float | None, log_dir: Path) -> float:
-    """Fit ``configs/cnn_muon.yaml`` (AdamW-only at ``adamw_lr`` when given) and test it, in process."""
+    """Fit ``cnn_muon.yaml`` (AdamW-only at ``adamw_lr`` when given) and test it, in process."""
     import lightning as L  # noqa: F401  (imported before the CLI, as the command does)
 
+    from lightning_muon.commands.config_files import resolve_config
     from lightning_muon.commands.lightning_cli import MuonCLI
 
-    args = ["--config", CNN, "--seed_everything", str(seed), "--data.init_args.seed", "0",
+    args = ["--config", str(resolve_config(CNN)), "--seed_everything", str(seed), "--data.init_args.seed", "0",
             "--trainer.enable_progress_bar", "false", "--trainer.enable_checkpointing", "false",
             "--trainer.logger.init_args.save_dir", str(log_dir)]
     if adamw_lr is not None:
@@ -334,7 +337,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="torch threads per fit (OMP_NUM_THREADS; default: torch's, one per core). 1 keeps runs "
                              "steady when other work shares the cores")
     parser.add_argument("--logs", default=None, help="where the runs' logs go (default: a lightning_logs dir)")
+    parser.add_argument("--write", action="store_true",
+                        help="write benchmarks/results/quality[_quick].md, .png and the RESULTS.md section")
+    parser.add_argument("--out", default=None, metavar="DIR", help="write the .md and .png to DIR instead")
     args = parser.parse_args(argv)
+    if args.write and args.out:
+        parser.error("--write records into benchmarks/results; --out writes elsewhere: give one of them")
     global THREADS
     THREADS = args.threads
     if THREADS is not None:
@@ -373,8 +381,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                                       f"{done}/{total}"))
     gpt_s = time.perf_counter() - started
     sweep, seeds_lines, _numbers = gpt_tables(muon, adamw, cfg["steps"])
-    png = RESULTS / f"quality{suffix}.png"
-    plot_quality(muon, adamw, png)
+    target = RESULTS if args.write else Path(args.out) if args.out else None
+    png = (target or RESULTS) / f"quality{suffix}.png"
+    if target is not None:
+        target.mkdir(parents=True, exist_ok=True)
+        plot_quality(muon, adamw, png)
     edges = [f"{s.name}'s best lr {s.best:g} is at the edge of its sweep: a wider sweep may find better"
              for s in (muon, adamw) if s.best in (min(s.lrs), max(s.lrs)) and len(s.lrs) > 1]
 
@@ -418,11 +429,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]
     title = f"## Quality{' (quick)' if args.quick else ''}: Muon + AdamW against AdamW alone, each tuned"
     section = "\n".join([title, "", *body])
-    md = RESULTS / f"quality{suffix}.md"
-    md.write_text(section.replace("## ", "# ", 1).replace("](results/", "](") + "\n")
-    _report.update_section(f"quality{suffix}", section)
     console.print(section, markup=False, highlight=False, soft_wrap=True)
-    console.print(f"Wrote {md}, {png} and {_report.RESULTS_MD} in {elapsed / 60:.1f} min")
+    if target is None:
+        console.print(f"Printed only (--write records it, --out DIR writes it elsewhere); {elapsed / 60:.1f} min")
+        return
+    md = target / f"quality{suffix}.md"
+    md.write_text(section.replace("## ", "# ", 1).replace("](results/", "](") + "\n")
+    if args.write:
+        _report.update_section(f"quality{suffix}", section)
+    console.print(f"Wrote {md}, {png}{f' and {_report.RESULTS_MD}' if args.write else ''} in {elapsed / 60:.1f} min")
 
 
 if __name__ == "__main__":

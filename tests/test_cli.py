@@ -10,18 +10,20 @@ from pathlib import Path
 import pytest
 
 from lightning_muon.commands.cli import main
-from lightning_muon.commands.config_files import config_chain
+from lightning_muon.commands.config_files import SHIPPED, config_chain, expand_configs, shipped_configs
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+CONFIGS = shipped_configs()
 DISTRIBUTED = {"gpt_muon_ddp.yaml", "gpt_muon_fsdp2.yaml"}
 FAST = ["--trainer.fast_dev_run", "2", "--trainer.enable_progress_bar", "false"]
 
 
 @pytest.fixture(autouse=True)
-def _in_repository_root(monkeypatch, tmp_path):
-    """Configs name `examples.*` classes, resolved from the working directory like the real command."""
-    monkeypatch.chdir(ROOT)
+def _in_an_empty_directory(monkeypatch, tmp_path):
+    """Shipped configs by name, from a directory that holds none of them (logs go there too)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
     monkeypatch.setenv("LIGHTNING_MUON_TEST_TMP", str(tmp_path))
 
 
@@ -46,7 +48,7 @@ def test_every_shipped_config_is_tested():
 
 @pytest.mark.parametrize("config", [p for p in CONFIGS if p.name not in DISTRIBUTED], ids=lambda p: p.name)
 def test_config_fits_through_main(config, capsys):
-    main(["fit", "--config", str(config.relative_to(ROOT)), *FAST])
+    main(["fit", "--config", config.name, *FAST])
     out = capsys.readouterr().out
     if config.name.startswith("gpt_"):
         assert "val_bpb" in out  # the example's closing line: val loss and bits per byte
@@ -58,8 +60,8 @@ def test_config_fits_through_main(config, capsys):
 def test_distributed_config_fits_with_two_processes(config):
     """Through the real command in a subprocess: Lightning's DDP launcher re-runs that command for rank 1."""
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_muon", "fit", "--config", str(config.relative_to(ROOT)), *FAST],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "lightning_muon", "fit", "--config", config.name, *FAST],
+        capture_output=True, text=True, timeout=300,
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0 or aborted_at_exit_after_fit(result), result.stderr[-3000:]
@@ -83,7 +85,7 @@ def aborted_at_exit_after_fit(result: subprocess.CompletedProcess) -> bool:
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_print_config_round_trips(config, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(config.relative_to(ROOT)), "--print_config"])
+        main(["fit", "--config", config.name, "--print_config"])
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     saved = tmp_path / "printed.yaml"
@@ -104,7 +106,7 @@ def test_extends_puts_the_base_first(tmp_path):
 
 
 def test_inspect_prints_char_gpt_routing(capsys):
-    main(["inspect", "--config", "configs/gpt_muon.yaml"])
+    main(["inspect", "--config", "gpt_muon.yaml"])
     out = capsys.readouterr().out
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in out.splitlines()
             if line.startswith("│") and "." in line.split("│")[1]}
@@ -132,7 +134,7 @@ def test_inspect_prints_char_gpt_routing(capsys):
 def test_help(command):
     if not command[0].startswith(sys.executable) and not _on_path(command[0]):
         pytest.skip(f"{command[0]} is not installed as a console script here")
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "--config" in result.stdout
     if command[-2:] == ["--help"] and len(command) == 2:
@@ -145,29 +147,19 @@ def _on_path(name: str) -> bool:
 
 def test_model_help_shows_the_mixin_arguments(capsys):
     with pytest.raises(SystemExit):
-        main(["fit", "--model.help", "examples.char_gpt.CharGPT"])
+        main(["fit", "--model.help", "lightning_muon.examples.char_gpt.CharGPT"])
     out = capsys.readouterr().out
     for argument in ("muon", "adamw", "lr_scheduler", "muon_params", "adamw_params", "accumulate_grad_batches",
                      "gradient_clip_val", "n_layer", "n_embd"):
         assert f"--model.{argument}" in out, argument
 
 
-def test_unknown_subcommand_goes_to_lightning_sdk(tmp_path, monkeypatch):
-    package = tmp_path / "lightning_sdk" / "cli"
-    package.mkdir(parents=True)
-    (tmp_path / "lightning_sdk" / "__init__.py").write_text("")
-    (package / "__init__.py").write_text("")
-    (package / "entrypoint.py").write_text(
-        "import sys\nCALLS = []\ndef main_cli():\n    CALLS.append(list(sys.argv))\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_unknown_subcommand_goes_to_lightning_sdk(fake_lightning_sdk, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["lightning", "login", "--token", "x"])
     main(["login", "--token", "x"])
     import lightning_sdk.cli.entrypoint as entrypoint
 
     assert entrypoint.CALLS == [["lightning", "login", "--token", "x"]]
-    for name in [m for m in sys.modules if m.startswith("lightning_sdk")]:
-        monkeypatch.delitem(sys.modules, name)
 
 
 def test_unknown_subcommand_without_lightning_sdk_prints_usage(monkeypatch, capsys):
@@ -185,15 +177,117 @@ def test_unknown_subcommand_without_lightning_sdk_prints_usage(monkeypatch, caps
 
 def test_typo_in_a_mixin_argument_fails_before_training(capsys):
     with pytest.raises(SystemExit):
-        main(["fit", "--config", "configs/gpt_muon.yaml", "--model.init_args.muon_parms", "[x]", *FAST])
+        main(["fit", "--config", "gpt_muon.yaml", "--model.init_args.muon_parms", "[x]", *FAST])
     assert "muon_parms" in capsys.readouterr().err
 
 
 def test_routing_pattern_matching_nothing_fails_before_training():
     with pytest.raises(ValueError, match=r"muon_params pattern 'blocks\.\*\.nothing' matches no trainable parameter"):
-        main(["fit", "--config", "configs/gpt_muon.yaml", "--model.init_args.muon_params", "[blocks.*.nothing]", *FAST])
+        main(["fit", "--config", "gpt_muon.yaml", "--model.init_args.muon_params", "[blocks.*.nothing]", *FAST])
 
 
 def test_negative_lr_fails_before_training_naming_the_key():
     with pytest.raises(ValueError, match=r"`muon` optimizer.*Invalid learning rate lr: -1"):
-        main(["fit", "--config", "configs/gpt_muon.yaml", "--model.init_args.muon.init_args.lr", "-1", *FAST])
+        main(["fit", "--config", "gpt_muon.yaml", "--model.init_args.muon.init_args.lr", "-1", *FAST])
+
+
+# ------------------------------------------------------------------ shipped configs, by name, from any directory
+
+
+def test_a_shipped_config_by_name_says_which_file(capsys):
+    assert not Path("gpt_adamw.yaml").exists()  # an empty working directory (the fixture)
+    expanded = expand_configs(["fit", "--config", "gpt_adamw.yaml", "--trainer.max_steps", "5"])
+    assert expanded == ["fit", f"--config={SHIPPED / 'gpt_muon.yaml'}", f"--config={SHIPPED / 'gpt_adamw.yaml'}",
+                        "--trainer.max_steps", "5"]
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"lightning-muon: gpt_adamw.yaml is the shipped config {SHIPPED / 'gpt_adamw.yaml'}"]
+    assert expand_configs(["--config=gpt_muon"]) == [f"--config={SHIPPED / 'gpt_muon.yaml'}"]  # .yaml optional
+
+
+def test_a_file_that_exists_wins_over_the_shipped_one(capsys):
+    Path("gpt_muon.yaml").write_text("seed_everything: 3\n")
+    assert expand_configs(["-c", "gpt_muon.yaml"]) == ["--config=gpt_muon.yaml"]
+    assert capsys.readouterr().err == ""
+    # and an `# extends:` base: next to the file first, else the shipped one (said in one line)
+    Path("mine.yaml").write_text("# extends: gpt_muon.yaml\n")
+    Path("other.yaml").write_text("# extends: gpt_torch_muon.yaml\n")
+    assert config_chain("mine.yaml") == [Path("gpt_muon.yaml"), Path("mine.yaml")]
+    notes: list[str] = []
+    assert config_chain("other.yaml", notes=notes) == [SHIPPED / "gpt_muon.yaml", SHIPPED / "gpt_torch_muon.yaml",
+                                                       Path("other.yaml")]
+    assert notes == [f"lightning-muon: other.yaml extends the shipped config {SHIPPED / 'gpt_torch_muon.yaml'}"]
+
+
+def test_a_path_with_a_directory_is_never_replaced(capsys):
+    # configs/gpt_muon.yaml (the old layout) does not exist here: LightningCLI says so, nothing is guessed
+    assert expand_configs(["--config", "configs/gpt_muon.yaml"]) == ["--config=configs/gpt_muon.yaml"]
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", "configs/gpt_muon.yaml"])
+    assert "configs/gpt_muon.yaml" in capsys.readouterr().err
+
+
+def test_configs_lists_every_shipped_config_in_one_line_each(capsys):
+    main(["configs"])
+    out = capsys.readouterr().out.splitlines()
+    listed = {line.split()[0]: line for line in out[: len(CONFIGS)]}
+    assert sorted(listed) == [p.name for p in CONFIGS]
+    assert "The main job" in listed["gpt_muon.yaml"]
+    assert "[extends gpt_muon.yaml]" in listed["gpt_adamw.yaml"]
+    assert all(len(line) <= 160 for line in listed.values())
+    assert "lightning-muon configs --copy gpt_muon.yaml" in "\n".join(out)
+
+
+def test_configs_copy_writes_an_editable_copy_that_runs(capsys):
+    main(["configs", "--copy", "gpt_adamw.yaml"])
+    assert Path("gpt_adamw.yaml").read_text() == (SHIPPED / "gpt_adamw.yaml").read_text()
+    out = capsys.readouterr().out
+    assert "it extends gpt_muon.yaml: the shipped one is used" in out
+    with pytest.raises(SystemExit, match="exists"):
+        main(["configs", "--copy", "gpt_adamw.yaml"])
+    with pytest.raises(SystemExit, match=r"no shipped config 'nope\.yaml'"):
+        main(["configs", "--copy", "nope.yaml"])
+    # the copy (now found in the working directory) extends the shipped base
+    assert expand_configs(["--config", "gpt_adamw.yaml"], quiet=True) == [
+        f"--config={SHIPPED / 'gpt_muon.yaml'}", "--config=gpt_adamw.yaml"]
+
+
+@pytest.fixture
+def fake_lightning_sdk(tmp_path, monkeypatch):
+    """A stand-in ``lightning_sdk.cli.entrypoint`` whose ``main_cli`` prints and records the argv it got."""
+    package = tmp_path / "sdk" / "lightning_sdk" / "cli"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "entrypoint.py").write_text(
+        "import sys\nCALLS = []\ndef main_cli():\n    CALLS.append(list(sys.argv))\n    print('SDK', *sys.argv[1:])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "sdk"))
+    monkeypatch.setattr(sys, "argv", ["lightning"])
+    yield
+    for name in [m for m in sys.modules if m.startswith("lightning_sdk")]:
+        del sys.modules[name]  # not monkeypatch.delitem: its undo would put this stand-in back
+
+
+def test_version_shows_ours_then_the_sdks(fake_lightning_sdk, capsys):
+    main(["--version"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("lightning-muon ") and "(lightning " in out[0]
+    assert out[1:] == ["lightning-sdk:", "SDK --version"]
+
+
+def test_help_shows_ours_then_the_sdks(fake_lightning_sdk, capsys):
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert "inspect" in out and "--config" in out  # ours
+    assert out.rstrip().endswith("SDK --help")  # then the sdk's
+
+
+def test_version_without_the_sdk(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "lightning_sdk" else real(name, *a)
+    )
+    main(["--version"])
+    assert capsys.readouterr().out.startswith("lightning-muon ")

@@ -28,9 +28,9 @@ from lightning_muon.commands.compare import (
     table_cells,
     val_check_interval,
 )
+from lightning_muon.commands.config_files import shipped_configs
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+CONFIGS = shipped_configs()
 FIELDS = ["epoch", "step", "train_loss", "val_loss", "val_bpb", "time/elapsed_s", "time/train_s", "time/samples",
           "time/tokens"]
 
@@ -44,7 +44,7 @@ def write_log(directory: Path, rows: list[dict], muon: bool | None = True) -> Pa
         writer.writerows(rows)
     if muon is not None:
         factory = {"class_path": "lightning_muon.Muon", "init_args": {"lr": 0.02}} if muon else None
-        config = {"model": {"class_path": "examples.char_gpt.CharGPT", "init_args": {"muon": factory}}}
+        config = {"model": {"class_path": "lightning_muon.examples.char_gpt.CharGPT", "init_args": {"muon": factory}}}
         (directory / "config.yaml").write_text(yaml.safe_dump(config))
     return directory
 
@@ -176,28 +176,28 @@ def test_split_overrides():
 
 
 def test_fit_arguments_add_clock_validation_and_logger(tmp_path):
-    args = fit_arguments("configs/gpt_adamw.yaml", tmp_path, "gpt_adamw", ["--trainer.limit_val_batches", "5"])
+    args = fit_arguments("gpt_adamw.yaml", tmp_path, "gpt_adamw", ["--trainer.limit_val_batches", "5"])
     joined = " ".join(args)
-    assert args[:2] == ["--config", "configs/gpt_adamw.yaml"]
+    assert args[:2] == ["--config", "gpt_adamw.yaml"]
     assert "--trainer.val_check_interval 25 --trainer.check_val_every_n_epoch null" in joined  # 300 steps (base)
     assert f"--trainer.callbacks+={CLOCK}" in args
     assert "--trainer.enable_checkpointing false" in joined
     assert f"--trainer.logger.init_args.save_dir {tmp_path}" in joined and args[-1] == "gpt_adamw"
     assert "--trainer.limit_val_batches 5" in joined
-    args = fit_arguments("configs/gpt_muon.yaml", tmp_path, "m", max_steps=60, val_points=6)
+    args = fit_arguments("gpt_muon.yaml", tmp_path, "m", max_steps=60, val_points=6)
     assert "--trainer.max_steps 60" in " ".join(args) and "--trainer.val_check_interval 10" in " ".join(args)
-    args = fit_arguments("configs/gpt_muon.yaml", tmp_path, "m", ["--trainer.val_check_interval=50"])
+    args = fit_arguments("gpt_muon.yaml", tmp_path, "m", ["--trainer.val_check_interval=50"])
     assert args.count("--trainer.val_check_interval") == 0
-    args = fit_arguments("configs/cnn_muon.yaml", tmp_path, "cnn")  # epochs, no max_steps: its own validation
+    args = fit_arguments("cnn_muon.yaml", tmp_path, "cnn")  # epochs, no max_steps: its own validation
     assert "--trainer.val_check_interval" not in args
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_fit_arguments_resolve_with_every_shipped_config(config, tmp_path, monkeypatch, capsys):
     """``--trainer.callbacks+=`` keeps the config's callbacks (MuonMonitor) and adds the clock; logs go to compare."""
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(tmp_path)  # the shipped configs by name, from a directory without them
     monkeypatch.setattr("sys.argv", ["lightning-muon"])  # arguments given explicitly: no LightningCLI warning
-    args = fit_arguments(config.relative_to(ROOT), tmp_path, config.stem)
+    args = fit_arguments(config.name, tmp_path, config.stem)
     with pytest.raises(SystemExit):
         main(["fit", *args, "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)
@@ -250,9 +250,9 @@ def test_wall_clock_needs_a_logger():
 
 @pytest.mark.slow
 def test_compare_two_tiny_configs_end_to_end(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(ROOT)  # the configs name examples.* classes
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "tiny_muon.yaml").write_text(
-        f"# extends: {ROOT / 'configs' / 'gpt_muon.yaml'}\n"
+        "# extends: gpt_muon.yaml\n"  # no such file here: the shipped one
         "trainer: {max_steps: 6, limit_val_batches: 2, log_every_n_steps: 2, enable_progress_bar: false}\n"
         "data:\n  init_args: {block_size: 32, batch_size: 4, max_bytes: 200000, val_batches: 2, "
         f"cache_dir: {tmp_path / 'cache'}}}\n"
@@ -292,8 +292,21 @@ def test_compare_needs_configs_or_logs(capsys):
 
 
 def test_compare_stops_on_a_failed_fit_naming_it(tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(tmp_path)
     bad = tmp_path / "bad.yaml"
-    bad.write_text(f"# extends: {ROOT / 'configs' / 'gpt_muon.yaml'}\nmodel:\n  init_args: {{n_layr: 1}}\n")
+    bad.write_text("# extends: gpt_muon.yaml\nmodel:\n  init_args: {n_layr: 1}\n")
     with pytest.raises(SystemExit, match=r"the fit of .*bad\.yaml failed \(exit code [1-9]"):
         main(["compare", str(bad), "--out", str(tmp_path / "out")])
+
+
+def test_compare_checks_matplotlib_before_any_fit(monkeypatch, capsys):
+    import importlib.util
+    import subprocess
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a fit started"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "gpt_muon.yaml", "gpt_adamw.yaml"])
+    assert exit_info.value.code == 2
+    assert "compare draws its plot with matplotlib: pip install matplotlib" in capsys.readouterr().err

@@ -10,7 +10,8 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, LearningRateFinder
+from lightning.pytorch.core import optimizer as core_optimizer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer import call
@@ -33,6 +34,9 @@ FIX = "Lightning {} changed this private API: update lightning_muon/lightning/_c
         (LightningOptimizer, "_on_after_step", "one_optimizer_step"),
         (call, "_call_callback_hooks", "call_on_before_optimizer_step"),
         (call, "_call_lightning_module_hook", "call_on_before_optimizer_step"),
+        (_TrainingEpochLoop, "_num_ready_batches_reached", "ends_epoch"),
+        (LearningRateFinder, "_update_attr", "lr_finder_updates_attr"),
+        (core_optimizer, "_configure_optimizers", "optimizers_and_schedulers"),
     ],
 )
 def test_the_private_names_exist(owner, name, wrapper):
@@ -70,12 +74,14 @@ class Record(Callback):
 
     def __init__(self) -> None:
         self.ends_update: list[bool] = []
+        self.ends_epoch: list[bool] = []
         self.logger_steps: list[int] = []
         self.every: list[int] = []
         self.before_optimizer_step: list[str] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.ends_update.append(_compat.ends_update(trainer))
+        self.ends_epoch.append(_compat.ends_epoch(trainer))
         self.logger_steps.append(_compat.logger_step(trainer))
         self.every.append(_compat.log_every_n_steps(trainer))
 
@@ -92,6 +98,7 @@ def test_the_wrappers_drive_a_real_fit():
     )
     trainer.fit(MuonNet(accumulate_grad_batches=2))
     assert record.ends_update == [False, True, False, True, True], FIX.format(L.__version__, "ends_update")
+    assert record.ends_epoch == [False, False, False, False, True], FIX.format(L.__version__, "ends_epoch")
     assert record.logger_steps == [0, 0, 1, 1, 2], FIX.format(L.__version__, "logger_step")
     assert record.every == [3] * 5, FIX.format(L.__version__, "log_every_n_steps")
     # one_optimizer_step: two optimizers step per update, global_step counts updates.
@@ -111,3 +118,32 @@ def test_cli_class_path_is_what_lightning_cli_stores(tmp_path):
         L.__version__, "cli_class_path"
     )
     assert _compat.cli_class_path(MuonNet().hparams) is None
+
+
+def test_the_trainer_flags_are_taken_before_lightning_checks_them(tmp_path):
+    """take_trainer_flags runs from configure_callbacks, which Trainer._run calls just before the check that
+    refuses these flags (and GradientAccumulationScheduler) under manual optimization."""
+    schedule = GradientAccumulationScheduler({0: 2})
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, gradient_clip_val=0.5, gradient_clip_algorithm="value", callbacks=[schedule],
+    )
+    trainer.fit(MuonNet())  # Lightning would say "not supported for manual optimization"
+    assert trainer.global_step == 3, FIX.format(L.__version__, "take_trainer_flags")
+    # restore_trainer_flags: the Trainer reads as it was built.
+    assert (trainer.gradient_clip_val, trainer.gradient_clip_algorithm) == (0.5, "value")
+    assert schedule in trainer.callbacks and trainer.accumulate_grad_batches == 1
+
+
+def test_lr_finder_updates_attr_reads_the_callbacks_setting():
+    assert _compat.lr_finder_updates_attr(LearningRateFinder(update_attr=True))
+    assert not _compat.lr_finder_updates_attr(LearningRateFinder(update_attr=False))
+
+
+def test_optimizers_and_schedulers_reads_configure_optimizers_as_lightning_does():
+    params = [nn.Parameter(torch.zeros(2))]
+    sgd = torch.optim.SGD(params, lr=0.1)
+    step = torch.optim.lr_scheduler.StepLR(sgd, 1)
+    assert _compat.optimizers_and_schedulers(sgd) == ([sgd], [])
+    assert _compat.optimizers_and_schedulers(([sgd], [step])) == ([sgd], [step])
+    assert _compat.optimizers_and_schedulers({"optimizer": sgd, "lr_scheduler": {"scheduler": step}}) == ([sgd], [step])

@@ -23,6 +23,7 @@ LAYERS = {
     "lightning_muon.callbacks": 2,
     "lightning_muon.commands": 3,
     "lightning_muon": 4,  # the public API (__init__) and __main__
+    "lightning_muon.examples": 5,  # models and data for the shipped configs: they import the public API
 }
 COMPAT = "lightning_muon.lightning._compat"
 LARGEST_CLASS = 200

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -101,13 +103,20 @@ class MuonTransformer(MuonMixin, LightningTransformer):
         return DataLoader(TextWindows(), batch_size=8)
 
 
-def test_demo_transformer_trains_with_muon_and_adamw(tmp_path):
+def test_demo_transformer_trains_with_muon_and_adamw(tmp_path, caplog):
     torch.manual_seed(0)
     model = MuonTransformer(vocab_size=256)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     recorder = Recorder()
-    with pytest.warns(UserWarning, match="LightningTransformer.configure_optimizers will never be called"):
+    # Its configure_optimizers differs only in the optimizer choice: said at INFO, once, no warning.
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO):
+        warnings.filterwarnings("error", module="lightning_muon")
         make_trainer(tmp_path, csv_dir=tmp_path, max_steps=16, callbacks=[recorder]).fit(model)
+    replaced = [r.getMessage() for r in caplog.records if "configure_optimizers is replaced" in r.getMessage()]
+    assert replaced == [
+        "LightningTransformer.configure_optimizers is replaced by MuonMixin's: it would have built SGD(lr=0.1) on "
+        "67 tensors; MuonMixin trains with Muon(lr=0.02) on 20 tensors and AdamW(lr=0.0003) on 47 tensors."
+    ]
 
     muon, adamw = (o.optimizer for o in model.optimizers())
     routing = model.muon_routing()

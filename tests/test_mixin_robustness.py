@@ -542,7 +542,9 @@ def test_fsdp1_is_refused_at_fit_start():
     model.trainer = SimpleNamespace(strategy=FSDPStrategy())
     with pytest.raises(MisconfigurationException, match=r"strategy='fsdp'.*ModelParallelStrategy"):
         model.on_fit_start()
-    model.trainer = SimpleNamespace(strategy=SingleDeviceStrategy(torch.device("cpu")))
+    model.trainer = SimpleNamespace(
+        strategy=SingleDeviceStrategy(torch.device("cpu")), lr_scheduler_configs=[], optimizers=[]
+    )
     model.on_fit_start()  # the same check passes on a supported strategy
 
 

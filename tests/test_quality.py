@@ -1,7 +1,7 @@
 """Quality regression: on the char_gpt example, Muon + AdamW must clearly beat AdamW alone at equal steps.
 
-Both real configs (``configs/gpt_muon.yaml`` and the tuned baseline
-``configs/gpt_adamw.yaml``) are fitted through the real command
+Both real configs (the shipped ``gpt_muon.yaml`` and the tuned baseline
+``gpt_adamw.yaml``) are fitted through the real command
 (`lightning_muon.commands.cli.main`, in process) for 100 steps at seed 0, everything
 else as the configs say, and the final validation loss is read back from the
 CSV log. If Muon's lead falls under 0.2 nats, the mixin, the routing or the
@@ -19,8 +19,6 @@ import pytest
 
 from lightning_muon.commands.cli import main
 from lightning_muon.commands.compare import load_run
-
-ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = 100
 MARGIN = 0.2  # nats
@@ -45,9 +43,9 @@ def final_val_loss(config: str, save_dir: Path) -> float:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_muon_beats_tuned_adamw_on_char_gpt(tmp_path, monkeypatch):
-    monkeypatch.chdir(ROOT)  # the configs name examples.* by import path, from the repository root
-    muon = final_val_loss("configs/gpt_muon.yaml", tmp_path / "muon")
-    adamw = final_val_loss("configs/gpt_adamw.yaml", tmp_path / "adamw")
+    monkeypatch.chdir(tmp_path)  # the shipped configs by name, from any directory
+    muon = final_val_loss("gpt_muon.yaml", tmp_path / "muon")
+    adamw = final_val_loss("gpt_adamw.yaml", tmp_path / "adamw")
     assert muon <= adamw - MARGIN, (
         f"after {STEPS} steps Muon + AdamW has val loss {muon:.4f}, AdamW alone {adamw:.4f}: Muon's lead "
         f"{adamw - muon:.4f} is under {MARGIN} nats (it was 0.256 when the mixin and routing worked)"

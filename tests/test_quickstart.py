@@ -1,8 +1,8 @@
-"""examples/quickstart.py: the plain-PyTorch tour of routing, Muon and its diagnostics."""
+"""lightning_muon/examples/quickstart.py: the plain-PyTorch tour of routing, Muon and its diagnostics."""
 
 from __future__ import annotations
 
-from examples import quickstart
+from lightning_muon.examples import quickstart
 
 
 def test_quickstart_routes_trains_and_reports(capsys):

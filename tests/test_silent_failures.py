@@ -102,3 +102,31 @@ def test_a_fixed_schedule_that_runs_out_says_so_once(tmp_path):
     assert len(past_end) == 2  # once per optimizer's scheduler, not once per update
     assert "nothing trains" in str(past_end[0].message)
     assert second == [0.0] * 4  # the user's fixed schedule is kept, but no longer silently
+
+
+def test_weights_made_non_finite_by_an_update_stop_the_fit_naming_them(tmp_path):
+    """Finite gradients, an AdamW lr of 1e38: the first update makes the AdamW weights inf."""
+    model = MuonRegression(adamw=functools.partial(torch.optim.AdamW, lr=1e38))
+    with pytest.raises(RuntimeError, match=r"turned weights non-finite, from finite gradients: net\.4\.weight "
+                                           r"\(AdamW, lr 1e\+38\).*lower it"):
+        make_trainer(tmp_path, max_steps=3).fit(model)
+    assert model.trainer.global_step == 1  # stopped in the update that made them, not steps later
+
+
+class NaNLoss(MuonRegression):
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch, batch_idx) * float("nan")
+
+
+def test_16_mixed_with_every_update_skipped_by_the_scaler_stops_instead_of_completing(tmp_path):
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu")  # the default initial scale, 2**16
+    model = NaNLoss()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = make_trainer(tmp_path, max_steps=200, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    with pytest.warns(UserWarning, match=r"GradScaler skipped 5 updates in a row"):  # noqa: SIM117
+        with pytest.raises(RuntimeError, match=r"skipped the last 17 updates and its scale fell to 0\.5.*the loss "
+                                               r"itself is NaN"):
+            trainer.fit(model)
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # nothing moved, and it says so

@@ -4,7 +4,9 @@ Every ``log_every_n_steps`` updates it logs, in `LearningRateMonitor`'s key sche
 
 - ``lr-<OptimizerClass>/<group name>`` for every param group of every
   optimizer (``lr-Muon/hidden``, ``lr-AdamW/embeddings``; ``pgN`` for unnamed
-  groups, no suffix for a lone unnamed group, ``-1``, ``-2`` when a class repeats);
+  groups, no suffix for a lone unnamed group, ``-1``, ``-2`` when a class repeats),
+  unless a ``LearningRateMonitor`` is among the callbacks: it logs these keys
+  itself, so the monitor leaves them out (and says so once, at INFO);
 - ``muon/effective_lr_min`` and ``muon/effective_lr_max``: the learning rates
   Muon's matrices really get after the shape adjustment;
 - ``muon/orthogonality_error`` (mean over the diagnosed matrices) and
@@ -32,8 +34,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.callbacks import Callback, LearningRateMonitor
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import Optimizer
@@ -118,6 +120,12 @@ class MuonMonitor(Callback):
         self._every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
         self._optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
         self._keys = lr_keys(self._optimizers)
+        # Beside a LearningRateMonitor, which logs the same lr-* keys, only the monitor's own keys.
+        self._log_lrs = not any(isinstance(c, LearningRateMonitor) for c in _compat.trainer_callbacks(trainer))
+        if not self._log_lrs:
+            rank_zero_info(
+                "MuonMonitor: LearningRateMonitor logs the lr-* keys, so MuonMonitor leaves them out of its rows."
+            )
         self._muon = [o for o in self._optimizers if _is_muon(o)]
         baseline = isinstance(pl_module, MuonMixin) and not pl_module.muon_enabled
         if not self._muon and not baseline:
@@ -156,7 +164,8 @@ class MuonMonitor(Callback):
         metrics = {}
         for optimizer, keys in zip(self._optimizers, self._keys, strict=True):
             for group, key in zip(optimizer.param_groups, keys, strict=True):
-                metrics[key] = lr_value(group["lr"])
+                if self._log_lrs:
+                    metrics[key] = lr_value(group["lr"])
         effective = [lr for optimizer in self._muon for g in optimizer.param_groups for lr in group_effective_lrs(g)]
         if effective:
             metrics["muon/effective_lr_min"] = min(effective)

@@ -1,9 +1,16 @@
-"""Config files: the ``# extends: base.yaml`` chain, expanded into the repeated ``--config`` LightningCLI merges."""
+"""Config files: the shipped ones, and the ``# extends: base.yaml`` chain expanded into the repeated ``--config``
+LightningCLI merges.
+
+A config path that exists is used as is; otherwise a bare name (``gpt_muon.yaml``, or ``gpt_muon``) is the config
+of that name shipped in ``lightning_muon/configs/``, and the command says so in one line on stderr. A
+``# extends:`` base resolves the same way, relative to the file that names it first.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,14 +18,64 @@ import yaml
 
 _EXTENDS = re.compile(r"^#\s*extends:\s*(\S+)\s*$", re.MULTILINE)
 
+#: The configs that ship with the package (``lightning-muon configs`` lists them).
+SHIPPED = Path(__file__).resolve().parents[1] / "configs"
 
-def config_chain(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> list[Path]:
-    """``path`` preceded by the files it extends (a ``# extends: base.yaml`` comment line, relative to it).
+
+def shipped_configs() -> list[Path]:
+    """The shipped config files, by name."""
+    return sorted(SHIPPED.glob("*.yaml"))
+
+
+def shipped_config(name: str | os.PathLike) -> Path | None:
+    """The shipped config called ``name`` (``gpt_muon.yaml`` or ``gpt_muon``); None for a path with a directory
+    part, or a name that is not shipped."""
+    name = str(name)
+    if not name or Path(name).name != name:
+        return None
+    for candidate in (name, f"{name}.yaml"):
+        if (SHIPPED / candidate).is_file():
+            return SHIPPED / candidate
+    return None
+
+
+def resolve_config(path: str | os.PathLike, notes: list[str] | None = None) -> Path:
+    """``path`` if it exists, else the shipped config of that name (with a line for ``notes``), else ``path``
+    unchanged (LightningCLI then reports the missing file in its own words)."""
+    given = Path(path)
+    if given.exists():
+        return given
+    shipped = shipped_config(path)
+    if shipped is None:
+        return given
+    if notes is not None:
+        notes.append(f"lightning-muon: {path} is the shipped config {shipped}")
+    return shipped
+
+
+def first_comment(path: Path) -> str:
+    """The first ``#`` line of a config that is not ``# extends:``, without the ``#`` (its one-line summary)."""
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        if not _EXTENDS.match(line):
+            return line.lstrip("#").strip()
+    return ""
+
+
+def extends(path: Path) -> list[str]:
+    """The bases a config names in its ``# extends:`` lines, as written."""
+    return _EXTENDS.findall(path.read_text())
+
+
+def config_chain(path: str | os.PathLike, _seen: tuple[Path, ...] = (), notes: list[str] | None = None) -> list[Path]:
+    """``path`` preceded by the files it extends (a ``# extends: base.yaml`` comment line, relative to it, else
+    shipped: `resolve_config`).
 
     LightningCLI merges repeated ``--config`` files key by key, so a config can
     hold only what differs from its base; the comment keeps the file plain YAML.
     """
-    path = Path(path)
+    path = resolve_config(path, notes) if not _seen else Path(path)
     if path.resolve() in _seen:
         raise ValueError(f"config {path} extends itself through {' -> '.join(map(str, _seen))}")
     try:
@@ -27,12 +84,19 @@ def config_chain(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> list[
         return [path]  # LightningCLI reports a missing file in its own words
     chain: list[Path] = []
     for base in _EXTENDS.findall(text):
-        chain += config_chain(path.parent / base, (*_seen, path.resolve()))
+        relative = path.parent / base
+        if not relative.exists() and shipped_config(base) is not None:
+            relative = resolve_config(base, None)
+            if notes is not None:
+                notes.append(f"lightning-muon: {path.name} extends the shipped config {relative}")
+        chain += config_chain(relative, (*_seen, path.resolve()), notes)
     return [*chain, path]
 
 
-def expand_configs(argv: list[str]) -> list[str]:
-    """Every ``--config FILE`` (or ``-c FILE``, ``--config=FILE``) preceded by the configs it extends."""
+def expand_configs(argv: list[str], quiet: bool = False) -> list[str]:
+    """Every ``--config FILE`` (or ``-c FILE``, ``--config=FILE``) preceded by the configs it extends, each a
+    path that exists or a shipped config's (one line on stderr says which shipped file, unless ``quiet``)."""
+    notes: list[str] = []
     expanded: list[str] = []
     args = iter(argv)
     for arg in args:
@@ -46,7 +110,9 @@ def expand_configs(argv: list[str]) -> list[str]:
         if path is None:
             expanded.append(arg)
         else:
-            expanded += [f"--config={p}" for p in config_chain(path)]
+            expanded += [f"--config={p}" for p in config_chain(path, notes=notes)]
+    if notes and not quiet:
+        print("\n".join(notes), file=sys.stderr)
     return expanded
 
 

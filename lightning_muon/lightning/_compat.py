@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, LearningRateFinder
 from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities import GradClipAlgorithmType
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -69,3 +72,79 @@ def set_accumulate_grad_batches(trainer: pl.Trainer, value: int) -> None:
     the accumulation decision). Manual optimization refuses the Trainer flag only when it validates the
     loop's settings, which happens before ``LightningModule.setup``: written from ``setup``, it stands."""
     trainer.accumulate_grad_batches = value
+
+
+def ends_epoch(trainer: pl.Trainer) -> bool:
+    """Whether the current training batch is the last of its epoch (when Lightning's automatic loop steps the
+    schedulers whose ``interval`` is ``"epoch"``)."""
+    return trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+
+
+def lr_finder_updates_attr(finder: LearningRateFinder) -> bool:
+    """Whether a ``LearningRateFinder`` (``Tuner.lr_find``'s) writes its suggestion back (``update_attr``)."""
+    return bool(finder._update_attr)
+
+
+def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """``trainer.callbacks`` (set by the callback connector, not declared on the Trainer)."""
+    return trainer.callbacks  # type: ignore[attr-defined]
+
+
+@dataclass
+class TrainerFlags:
+    """What the Trainer was given for the update that manual optimization makes its own: its values, taken
+    off the Trainer for the fit (`take_trainer_flags`) and put back afterwards (`restore_trainer_flags`)."""
+
+    gradient_clip_val: float | None
+    gradient_clip_algorithm: str | None
+    accumulate_grad_batches: int
+    #: ``GradientAccumulationScheduler`` callbacks, with their places in ``trainer.callbacks``.
+    accumulation_schedulers: list[tuple[int, GradientAccumulationScheduler]] = field(default_factory=list)
+
+
+def take_trainer_flags(trainer: pl.Trainer) -> TrainerFlags:
+    """Take ``Trainer(gradient_clip_val=, gradient_clip_algorithm=, accumulate_grad_batches=)`` and every
+    ``GradientAccumulationScheduler`` off the Trainer, so that MuonMixin can honour them itself.
+
+    Lightning refuses these for manual optimization in ``_verify_loop_configurations`` (and the callback in
+    its ``on_train_start``); ``Trainer._run`` calls the module's ``configure_callbacks`` just before that check,
+    which is where MuonMixin calls this. ``tests/test_compat.py`` pins that order through a real fit.
+    """
+    algorithm = trainer.gradient_clip_algorithm
+    flags = TrainerFlags(
+        gradient_clip_val=trainer.gradient_clip_val,
+        gradient_clip_algorithm=None if algorithm is None else str(getattr(algorithm, "value", algorithm)),
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        accumulation_schedulers=[
+            (i, c) for i, c in enumerate(trainer_callbacks(trainer)) if isinstance(c, GradientAccumulationScheduler)
+        ],
+    )
+    trainer.gradient_clip_val = None
+    trainer.gradient_clip_algorithm = None
+    trainer.accumulate_grad_batches = 1
+    taken = {id(c) for _, c in flags.accumulation_schedulers}
+    trainer.callbacks = [c for c in trainer_callbacks(trainer) if id(c) not in taken]  # type: ignore[attr-defined]
+    return flags
+
+
+def restore_trainer_flags(trainer: pl.Trainer, flags: TrainerFlags) -> None:
+    """Put back what `take_trainer_flags` took, so the Trainer reads as it was built (and a next fit takes it
+    again)."""
+    trainer.gradient_clip_val = flags.gradient_clip_val
+    if flags.gradient_clip_algorithm is not None:
+        trainer.gradient_clip_algorithm = GradClipAlgorithmType(flags.gradient_clip_algorithm)
+    trainer.accumulate_grad_batches = flags.accumulate_grad_batches
+    callbacks = list(trainer_callbacks(trainer))
+    for index, callback in flags.accumulation_schedulers:
+        if callback not in callbacks:
+            callbacks.insert(min(index, len(callbacks)), callback)
+    trainer.callbacks = callbacks  # type: ignore[attr-defined]
+
+
+def optimizers_and_schedulers(optim_conf: Any) -> tuple[list[Any], list[Any]]:
+    """The optimizers and schedulers in whatever a ``configure_optimizers`` returned (an optimizer, lists, a
+    tuple of lists, dicts with ``"optimizer"`` and ``"lr_scheduler"``), read as Lightning reads it."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
+    optimizers, schedulers, _ = _configure_optimizers(optim_conf)
+    return list(optimizers), [s["scheduler"] if isinstance(s, dict) else s for s in schedulers]

@@ -11,6 +11,7 @@ factory (a class with some keywords bound), nor turn a factory into a spec.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -262,15 +263,21 @@ class MuonConfig:
         return lrs
 
     def build_schedulers(self, optimizers: list[Optimizer], fit_length: Callable[[], float]) -> list[dict[str, Any]]:
-        """One scheduler per optimizer, stepped per update, as Lightning's scheduler configs.
+        """One scheduler per optimizer, as Lightning's scheduler configs.
 
+        The factory may return a scheduler (stepped per update) or a Lightning scheduler dict
+        (``{"scheduler": ..., "interval": "epoch", "frequency": 2, "monitor": "val_loss"}``; ``interval``
+        defaults to ``"step"``). A ``ReduceLROnPlateau`` is stepped per epoch on its ``monitor`` (the dict's, or
+        the scheduler's own attribute as ``lightning.pytorch.cli.ReduceLROnPlateau`` has it).
         A scheduler whose ``total_steps`` is ``None`` after construction (`lightning_muon.WarmupCosine`'s
         protocol) gets the fit's number of updates, ``fit_length()``.
         """
         assert self.lr_scheduler_factory is not None
         schedulers = []
         for optimizer in optimizers:
-            scheduler = self.lr_scheduler_factory(optimizer)
+            built = self.lr_scheduler_factory(optimizer)
+            config = dict(built) if isinstance(built, dict) else {"scheduler": built}
+            scheduler = config["scheduler"]
             if getattr(scheduler, "total_steps", 0) is None:
                 total = fit_length()
                 if not math.isfinite(total):
@@ -279,8 +286,28 @@ class MuonConfig:
                         "Trainer(max_steps=...) or max_epochs, or give the scheduler total_steps=..."
                     )
                 scheduler.total_steps = int(total)
-            schedulers.append({"scheduler": scheduler, "interval": "step"})
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+                config.setdefault("monitor", getattr(scheduler, "monitor", None))
+                config.setdefault("interval", "epoch")
+                if config["monitor"] is None:
+                    raise MisconfigurationException(
+                        "lr_scheduler builds a ReduceLROnPlateau but names no metric to monitor: use "
+                        "lightning.pytorch.cli.ReduceLROnPlateau(optimizer, monitor='val_loss', ...) or return "
+                        "{'scheduler': ReduceLROnPlateau(optimizer), 'monitor': 'val_loss'} from the factory."
+                    )
+            config.setdefault("interval", "step")
+            if config["interval"] not in ("step", "epoch"):
+                raise MisconfigurationException(
+                    f"lr_scheduler's interval must be 'step' or 'epoch', got {config['interval']!r}"
+                )
+            schedulers.append(config)
         return schedulers
+
+    def with_adamw_lr(self, lr: float) -> MuonConfig:
+        """This config with AdamW's lr replaced (``lr_find``'s suggestion for the ``muon=None`` baseline)."""
+        assert self.adamw_factory is not None
+        factory = functools.partial(self.adamw_factory, lr=lr)
+        return dataclasses.replace(self, adamw=to_spec(factory), adamw_factory=factory)
 
     def to_hparams(self) -> dict[str, Any]:
         """The settings as plain data (lists, not tuples), as checkpoints save them."""

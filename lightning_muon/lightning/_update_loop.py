@@ -22,8 +22,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
-from lightning_muon.lightning import _compat
+from lightning_muon.lightning import _compat, _health
 from lightning_muon.lightning._config import MuonConfig
+from lightning_muon.lightning._fit_settings import FitSettings
+from lightning_muon.lightning._schedulers import step_schedulers
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -49,6 +51,33 @@ def _call_with_accepted(step: Callable[..., Any], args: tuple, kwargs: dict) -> 
     return step(*args[:count], **kwargs)
 
 
+@contextlib.contextmanager
+def _no_gradient_sync(module: LightningModule) -> Iterator[None]:
+    """Backward of a non-final micro-batch: gradients accumulate locally, no cross-rank reduction.
+
+    DDP through the strategy's ``no_sync``; FSDP2 (``fully_shard`` modules, which Lightning's
+    ``ModelParallelStrategy`` leaves alone here) through ``set_requires_gradient_sync``, switched
+    back on afterwards (the last micro-batch of an update always syncs).
+    """
+    sharded = []
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for fsdp_module in sharded:
+        fsdp_module.set_requires_gradient_sync(False, recurse=False)
+    strategy = module.trainer.strategy
+    try:
+        if isinstance(strategy, ParallelStrategy):
+            with strategy.block_backward_sync():
+                yield
+        else:
+            yield
+    finally:
+        for fsdp_module in sharded:
+            fsdp_module.set_requires_gradient_sync(True, recurse=False)
+
+
 class UpdateLoop:
     """The per-batch sequence of `MuonMixin`, with its counters (saved in checkpoints)."""
 
@@ -58,11 +87,27 @@ class UpdateLoop:
         self.skipped_updates = 0
         #: Skipped updates in a row that count toward ``max_consecutive_skips``.
         self.consecutive_skips = 0
-        #: Micro-batches of the current update so far, and how many of them gave a loss.
+        #: Micro-batches of the current update so far, and the losses they gave (detached).
         self.micro_batches = 0
-        self._losses_in_update = 0
+        self._losses: list[torch.Tensor] = []
+        #: 16-mixed: updates the GradScaler skipped in a row, and the stop when its scale collapses.
+        self._scaler_watch = _health.ScalerWatch()
         self._in_training_step = False
         self._warned_none = False
+        #: This fit's accumulation and clipping (the mixin's arguments and the Trainer's flags together).
+        self.settings = FitSettings(config.accumulate_grad_batches, None, config.gradient_clip_val)
+        #: What the Trainer was given (put back at the end of the fit), and whether the replacement was told.
+        self.trainer_flags: _compat.TrainerFlags | None = None
+        self.told_replaced = False
+        #: The 1-based batch index of the last update, until its monitor-driven "step" schedulers step.
+        self._plateau_pending: int | None = None
+        #: The monitor-driven schedulers of this fit: id -> (metric, strict) (manual optimization drops them).
+        self.monitors: dict[int, tuple[str, bool]] = {}
+
+    @property
+    def in_training_step(self) -> bool:
+        """Whether the parent's ``training_step`` is running (where the mixin owns the optimizers)."""
+        return self._in_training_step
 
     # ------------------------------------------------------------ checkpoints
 
@@ -98,47 +143,29 @@ class UpdateLoop:
         loss = self._loss_of(module, output)
         update_now = _compat.ends_update(module.trainer)
         if loss is not None:
-            scaled = loss / self.config.accumulate_grad_batches
+            scaled = loss / module.trainer.accumulate_grad_batches
             if update_now:
                 module.manual_backward(scaled)
             else:
-                with self._no_gradient_sync(module):
+                with _no_gradient_sync(module):
                     module.manual_backward(scaled)
-            self._losses_in_update += 1
+            self._losses.append(loss.detach())
         self.micro_batches += 1
         if update_now:
-            if self._losses_in_update:
+            if self._losses:
                 self._update(module)
             self.micro_batches = 0
-            self._losses_in_update = 0
+            self._losses = []
+        if _compat.ends_epoch(module.trainer):
+            step_schedulers(module, interval="epoch", plateau=False, index=module.trainer.current_epoch + 1)
         return output
 
-    @staticmethod
-    @contextlib.contextmanager
-    def _no_gradient_sync(module: LightningModule) -> Iterator[None]:
-        """Backward of a non-final micro-batch: gradients accumulate locally, no cross-rank reduction.
-
-        DDP through the strategy's ``no_sync``; FSDP2 (``fully_shard`` modules, which Lightning's
-        ``ModelParallelStrategy`` leaves alone here) through ``set_requires_gradient_sync``, switched
-        back on afterwards (the last micro-batch of an update always syncs).
-        """
-        sharded = []
-        if torch.distributed.is_available():
-            from torch.distributed.fsdp import FSDPModule
-
-            sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        for fsdp_module in sharded:
-            fsdp_module.set_requires_gradient_sync(False, recurse=False)
-        strategy = module.trainer.strategy
-        try:
-            if isinstance(strategy, ParallelStrategy):
-                with strategy.block_backward_sync():
-                    yield
-            else:
-                yield
-        finally:
-            for fsdp_module in sharded:
-                fsdp_module.set_requires_gradient_sync(True, recurse=False)
+    def step_pending_plateau(self, module: LightningModule) -> None:
+        """Step the monitor-driven ``"step"`` schedulers of the last update, once its metrics (and any
+        validation after it) are logged: from the next batch's start, or the epoch's end."""
+        if self._plateau_pending is not None:
+            index, self._plateau_pending = self._plateau_pending, None
+            step_schedulers(module, interval="step", plateau=True, index=index)
 
     def _loss_of(self, module: LightningModule, output: Any) -> torch.Tensor | None:
         if output is None:
@@ -184,18 +211,23 @@ class UpdateLoop:
                 # Every element is finite but the norm overflowed its dtype (fp16 past 65504): recompute.
                 norm = torch.nn.utils.get_total_norm([g.double() for g in grads])
             if bool(torch.isfinite(norm)):
-                clip = self.config.gradient_clip_val
-                if clip is not None:
+                clip = self.settings.gradient_clip_val
+                if clip is not None and self.settings.gradient_clip_algorithm == "value":
+                    torch.nn.utils.clip_grad_value_(params, clip)
+                elif clip is not None:
                     torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
                 for optimizer in optimizers:  # already unscaled and checked: the scaler has nothing to add
                     optimizer.step()
+                _health.check_weights_finite(optimizers, module)
                 self.consecutive_skips = 0
             else:
                 self._skip(module, optimizers, counts_toward_limit=scaler is None)
             if scaler is not None:
                 scaler.update()
-            for config in trainer.lr_scheduler_configs:
-                config.scheduler.step()  # type: ignore[call-arg]
+                self._scaler_watch.after_update(not bool(torch.isfinite(norm)), scaler.get_scale(), self._losses)
+            index = trainer.fit_loop.epoch_loop.batch_idx + 1  # Lightning's count for "step" frequencies
+            step_schedulers(module, interval="step", plateau=False, index=index)
+            self._plateau_pending = index
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
 

@@ -12,7 +12,8 @@ backward (loss / N); gradient accumulation over N micro-batches (no DDP
 all-reduce or FSDP2 reduce-scatter until the last one); on the last micro-batch one update:
 unscale (16-mixed), ``on_before_optimizer_step`` hooks, one global
 gradient-norm clip over both optimizers, a non-finite check that skips both
-optimizers, both steps, one scaler update, both scheduler steps, zero grads.
+optimizers, both steps, one scaler update, the scheduler steps (by their
+interval and frequency), zero grads.
 ``trainer.global_step`` advances once per update.
 """
 
@@ -24,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_muon.lightning import _checkpoint, _checks, _compat
+from lightning_muon.lightning import _checkpoint, _checks, _compat, _lifecycle
 from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig, plain_data
 from lightning_muon.lightning._update_loop import UpdateLoop
 from lightning_muon.optim.muon import Muon
@@ -71,18 +72,18 @@ class MuonMixin(_LightningModuleBase):
         adamw: factory of the optimizer for everything else (default:
             ``torch.optim.AdamW`` with lr 3e-4, betas (0.9, 0.95), weight decay
             0, fused where the device supports it).
-        lr_scheduler: factory of a scheduler applied to each optimizer
-            separately and stepped once per update, e.g.
+        lr_scheduler: factory of a scheduler (stepped once per update) or of
+            Lightning's scheduler dict (``interval``, ``frequency``,
+            ``monitor``), applied to each optimizer separately, e.g.
             `lightning_muon.WarmupCosine` (its ``total_steps`` defaults to the
             number of updates of the fit). ``None``: constant lr.
         muon_params: glob patterns of parameter names forced onto Muon.
         adamw_params: glob patterns of parameter names forced onto AdamW.
-        accumulate_grad_batches: micro-batches per update (use this instead
-            of ``Trainer(accumulate_grad_batches=...)``, which manual
-            optimization refuses).
+        accumulate_grad_batches: micro-batches per update (the same as
+            ``Trainer(accumulate_grad_batches=...)``; give it in one place).
         gradient_clip_val: clip the global gradient norm over both optimizers
-            to this value (instead of ``Trainer(gradient_clip_val=...)``);
-            ``None`` for no clipping.
+            to this value (as ``Trainer(gradient_clip_val=...)`` does, which also
+            takes ``gradient_clip_algorithm="value"``); ``None``: no clipping.
         max_consecutive_skips: updates with non-finite gradients are skipped
             for both optimizers; after this many in a row, fit stops with an
             error naming the parameters (16-mixed overflows are the scaler's
@@ -92,6 +93,7 @@ class MuonMixin(_LightningModuleBase):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _checks.check_bases(cls, MuonMixin)
+        _checks.check_not_by_hand(cls, MuonMixin)
         step = vars(cls).get("training_step")
         if step is not None and not getattr(step, "_muon_wrapped", False):
             # The subclass's own training_step becomes the one that updates (the mixin's would be bypassed).
@@ -125,6 +127,8 @@ class MuonMixin(_LightningModuleBase):
         muon, adamw, lr_scheduler = config.muon, config.adamw, config.lr_scheduler
         muon_params, adamw_params = list(config.muon_params), list(config.adamw_params)
         super().__init__(**kwargs)
+        if not self.automatic_optimization:
+            raise _checks.by_hand(self, f"{type(self).__name__}'s parent sets automatic_optimization = False")
         self.automatic_optimization = False
         self._muon_config = config
         self._muon_loop = UpdateLoop(config)
@@ -176,37 +180,52 @@ class MuonMixin(_LightningModuleBase):
 
     def configure_optimizers(self) -> Any:
         """``[muon, adamw]`` over the routed param groups (only AdamW when ``muon=None``), with their schedulers."""
-        routing = self.muon_routing()
-        rank_zero_info("\n" + routing.render())
-        if self.muon_enabled and not routing.muon_groups:
-            rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")
-        if not routing.muon_groups:
-            optimizers = [self._muon_config.build_adamw(routing.adamw_groups)]
-        else:
-            muon = self._muon_config.build("muon", routing.muon_groups)
-            optimizers = [muon, self._muon_config.build_adamw(routing.adamw_groups)]
-        if self._muon_config.lr_scheduler_factory is None:
-            return optimizers
-        schedulers = self._muon_config.build_schedulers(optimizers, lambda: self.trainer.estimated_stepping_batches)
-        return optimizers, schedulers
+        return _lifecycle.build_optimizers(self)
 
     # -------------------------------------------------------------- fit checks
+
+    def configure_callbacks(self) -> Any:
+        callbacks = super().configure_callbacks()
+        if self.trainer.state.fn == "fit":  # Lightning's manual-optimization checks come next
+            _lifecycle.begin_fit(self)
+        return callbacks
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
         if stage == "fit":
-            # Lightning's loop already knows how to count accumulated batches (logger steps, validation
-            # zero_grad, estimated_stepping_batches).
-            _compat.set_accumulate_grad_batches(self.trainer, self._muon_config.accumulate_grad_batches)
+            _lifecycle.setup_fit(self)
 
     def teardown(self, stage: str) -> None:
         if stage == "fit":
-            _compat.set_accumulate_grad_batches(self.trainer, 1)
+            _lifecycle.end_fit(self)
         super().teardown(stage)
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
         _checks.check_fit(self, MuonMixin)
+        _lifecycle.start_fit(self, MuonMixin)
+
+    def on_train_epoch_start(self) -> None:
+        super().on_train_epoch_start()
+        _lifecycle.start_epoch(self)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
+        self._muon_loop.step_pending_plateau(self)
+        return super().on_train_batch_start(batch, batch_idx)
+
+    def on_train_epoch_end(self) -> None:
+        super().on_train_epoch_end()
+        _lifecycle.end_epoch(self)
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        if self._muon_loop.in_training_step:
+            raise _checks.by_hand(self, "training_step calls self.optimizers()")
+        return super().optimizers(use_pl_optimizer)
+
+    def manual_backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
+        if self._muon_loop.in_training_step:
+            raise _checks.by_hand(self, "training_step calls self.manual_backward()")
+        super().manual_backward(loss, *args, **kwargs)
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         raise MisconfigurationException(

@@ -96,28 +96,49 @@ class Routing:
         """The names of the parameters routed to ``optimizer``, in group order."""
         return [name for group in self.groups(optimizer) for name, _ in group["params"]]
 
-    def rich_table(self, effective_lr: Callable[[Route], float | None] | None = None) -> Any:
-        """A ``rich.table.Table``: parameter, shape, optimizer, group, reason (and effective lr)."""
-        from rich.table import Table
-
-        table = Table(title="lightning_muon routing", show_lines=False)
-        for column in ("parameter", "shape", "optimizer", "group", "reason"):
-            table.add_column(column)
+    def _cells(self, effective_lr: Callable[[Route], float | None] | None) -> tuple[list[str], list[list[str]], str]:
+        """The table's header, rows and totals line, as text."""
+        header = ["parameter", "shape", "optimizer", "group", "reason"]
         if effective_lr is not None:
-            table.add_column("effective lr", justify="right")
+            header.append("effective lr")
+        rows = []
         for r in self.routes:
             row = [r.name, "x".join(map(str, r.shape)) or "scalar", r.optimizer, r.group, r.reason]
             if effective_lr is not None:
                 lr = effective_lr(r)
                 row.append("" if lr is None else f"{lr:.3g}")
-            table.add_row(*row)
+            rows.append(row)
         totals = "; ".join(
             f"{opt}: {sum(r.optimizer == opt for r in self.routes)} tensors, "
             f"{sum(r.numel for r in self.routes if r.optimizer == opt):,} parameters"
             for opt in (MUON, ADAMW)
         )
+        return header, rows, totals
+
+    def rich_table(self, effective_lr: Callable[[Route], float | None] | None = None) -> Any:
+        """A ``rich.table.Table`` (rich installed): parameter, shape, optimizer, group, reason (and effective lr)."""
+        from rich.table import Table
+
+        header, rows, totals = self._cells(effective_lr)
+        table = Table(title="lightning_muon routing", show_lines=False)
+        for column in header:
+            table.add_column(column, justify="right" if column == "effective lr" else "left")
+        for row in rows:
+            table.add_row(*row)
         table.caption = totals
         return table
+
+    def plain_table(self, effective_lr: Callable[[Route], float | None] | None = None) -> str:
+        """The table in aligned plain-text columns (what `render` gives without rich)."""
+        header, rows, totals = self._cells(effective_lr)
+        widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+
+        def line(cells: list[str]) -> str:
+            return "  ".join(c.rjust(w) if h == "effective lr" else c.ljust(w)
+                             for c, w, h in zip(cells, widths, header, strict=True)).rstrip()
+
+        rule = "  ".join("-" * w for w in widths)
+        return "\n".join(["lightning_muon routing", line(header), rule, *map(line, rows), rule, totals]) + "\n"
 
     def all_on_adamw(self, why: str) -> Routing:
         """The same routes with every Muon parameter on AdamW instead (the ``muon=None`` baseline), so the
@@ -129,8 +150,11 @@ class Routing:
         return Routing(routes=moved, params=self.params)
 
     def render(self, effective_lr: Callable[[Route], float | None] | None = None, width: int = 140) -> str:
-        """The table as plain text."""
-        from rich.console import Console
+        """The table as plain text: drawn by rich when it is installed, else `plain_table`."""
+        try:
+            from rich.console import Console
+        except ImportError:
+            return self.plain_table(effective_lr)
 
         buffer = io.StringIO()
         Console(file=buffer, width=width, no_color=True, force_terminal=False).print(self.rich_table(effective_lr))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from lightning_muon.commands.compare.runs import Run
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 def steps_to_reach(steps: Sequence[int], losses: Sequence[float], target: float) -> int | None:
@@ -148,7 +150,9 @@ def markdown_report(
 
 
 def rich_table(rows: Sequence[Row], target: float | None) -> Table:
-    """The table for the terminal."""
+    """The table for the terminal (rich: ``compare`` checks it is installed before any fit)."""
+    from rich.table import Table
+
     header, cells = table_cells(rows, target)
     table = Table(title="lightning-muon compare")
     for i, name in enumerate(header):

@@ -1,6 +1,6 @@
 """``lightning-muon compare``: fit several configs and compare their validation loss by step and by wall-clock time.
 
-    lightning-muon compare configs/gpt_muon.yaml configs/gpt_adamw.yaml --out benchmarks/results/compare
+    lightning-muon compare gpt_muon.yaml gpt_adamw.yaml --out benchmarks/results/compare
     lightning-muon compare --from-logs OUT/lightning_logs/gpt_muon OUT/lightning_logs/gpt_adamw   # no training
 
 Each config is fitted by the real command (``python -m lightning_muon fit
@@ -45,10 +45,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from lightning_muon.commands.compare.plot import plot_comparison
-from lightning_muon.commands.compare.report import Row, baseline_index, markdown_report, rich_table, summarize
+from lightning_muon.commands.compare.report import (
+    Row,
+    baseline_index,
+    markdown_report,
+    markdown_table,
+    rich_table,
+    summarize,
+)
 from lightning_muon.commands.compare.runs import VAL_LOSS, Run, load_run
 from lightning_muon.commands.config_files import merged_config
 
@@ -174,9 +179,10 @@ def _parser() -> argparse.ArgumentParser:
             "loss by step and by training time, against a baseline (the config with model.muon: null, else the "
             "last). Any other --key value argument goes to every fit, e.g. --trainer.limit_val_batches 5."
         ),
-        epilog="example: lightning-muon compare configs/gpt_muon.yaml configs/gpt_adamw.yaml --out results/compare",
+        epilog="example: lightning-muon compare gpt_muon.yaml gpt_adamw.yaml --out results/compare",
     )
-    parser.add_argument("configs", nargs="*", metavar="CONFIG", help="LightningCLI config files to fit")
+    parser.add_argument("configs", nargs="*", metavar="CONFIG",
+                        help="LightningCLI config files to fit (or shipped configs by name: gpt_muon.yaml)")
     parser.add_argument("--out", default="lightning_logs/compare",
                         help="where comparison.png, comparison.md and the runs' logs go (default: %(default)s)")
     parser.add_argument("--max_steps", "--max-steps", type=int, default=None,
@@ -200,8 +206,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     if args.val_points < 1 or (args.max_steps is not None and args.max_steps < 1):
         parser.error("--val_points and --max_steps must be >= 1")
     if importlib.util.find_spec("matplotlib") is None:  # found out now, not after every fit has run
-        parser.error("compare draws its plot with matplotlib: pip install matplotlib (or lightning-muon[examples])")
-    console = Console(width=None if sys.stdout.isatty() else 160)  # the whole table when piped
+        parser.error("compare draws its plot with matplotlib: pip install matplotlib (or 'lightning-muon[compare]')")
+    console = _Console()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_root = out / "lightning_logs"  # a name .gitignore files usually ignore
@@ -215,7 +221,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         shutil.rmtree(log_root / name, ignore_errors=True)
         command = [sys.executable, "-m", "lightning_muon", "fit", *fit_args]
         console.rule(f"compare: fitting {name}")
-        console.print(shlex.join(["lightning-muon", "fit", *fit_args]), soft_wrap=True, markup=False)
+        console.print(shlex.join(["lightning-muon", "fit", *fit_args]))
         result = subprocess.run(command)
         if result.returncode != 0:
             raise SystemExit(
@@ -231,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
             runs[i] = replace(run, name=f"{run.name}-{names[: i + 1].count(run.name)}")
     for run in runs:
         if not run.val_loss:
-            console.print(f"[yellow]compare: {run.name} logged no {VAL_LOSS} ({run.source})[/yellow]")
+            console.print(f"compare: {run.name} logged no {VAL_LOSS} ({run.source})")
 
     baseline = baseline_index(runs, args.baseline)
     if args.baseline is not None:
@@ -255,9 +261,39 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     report = markdown_report(runs, baseline, compare_command, notes, image=png.name, baseline_reason=reason)
     (out / "comparison.md").write_text(report)
     rows, target = summarize(runs, baseline)
-    console.print(rich_table(rows, target))
+    console.table(rows, target)
     console.print(f"Wrote {png} and {out / 'comparison.md'}")
     return rows
+
+
+class _Console:
+    """The terminal: rich's console and table when rich is installed, else plain lines and the markdown table."""
+
+    def __init__(self) -> None:
+        try:
+            from rich.console import Console
+        except ImportError:
+            self.rich: Any = None
+        else:
+            self.rich = Console(width=None if sys.stdout.isatty() else 160)  # the whole table when piped
+
+    def rule(self, title: str) -> None:
+        if self.rich is not None:
+            self.rich.rule(title)
+        else:
+            print(f"---- {title} ----", flush=True)
+
+    def print(self, text: str) -> None:
+        if self.rich is not None:
+            self.rich.print(text, soft_wrap=True, markup=False, highlight=False)
+        else:
+            print(text, flush=True)
+
+    def table(self, rows: Sequence[Row], target: float | None) -> None:
+        if self.rich is not None:
+            self.rich.print(rich_table(rows, target))
+        else:
+            print(markdown_table(rows, target))
 
 
 def _load(load: tuple[float, float, float]) -> str:

@@ -5,7 +5,7 @@ a laptop CPU). It shows the three core pieces: `route_parameters` (who goes
 where and why), `lightning_muon.Muon` on the hidden matrices, and the
 orthogonality diagnostics of the update it made.
 
-    python examples/quickstart.py
+    python -m lightning_muon.examples.quickstart     (needs scikit-learn)
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(route_parameters(make_model()).render(width=110))
     muon_loss, muon_acc, muon = train(use_muon=True, steps=args.steps)
+    assert muon is not None
     adamw_loss, adamw_acc, _ = train(use_muon=False, steps=args.steps)
     print(f"after {args.steps} steps on sklearn digits (test split):")
     print(f"  Muon + AdamW : loss {muon_loss:.4f}  accuracy {muon_acc:.3f}")

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -185,7 +186,7 @@ class RandomOffsets(Sampler[int]):
     def __len__(self) -> int:
         return self.num_samples
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         generator = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
         return iter(torch.randint(self.num_offsets, (self.num_samples,), generator=generator).tolist())
 
@@ -285,13 +286,21 @@ class StdlibTextDataModule(L.LightningDataModule):
             )
         self.data, self.split = data, len(data) - num_val
 
+    def _corpus(self) -> tuple[Tensor, int]:
+        """The corpus and where its validation split starts (`setup` first)."""
+        if self.data is None or self.split is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() has not run yet")
+        return self.data, self.split
+
     def train_dataloader(self) -> DataLoader:
-        dataset = ByteWindows(self.data[: self.split], self.block_size)
+        data, split = self._corpus()
+        dataset = ByteWindows(data[:split], self.block_size)
         sampler = RandomOffsets(len(dataset), self.train_batches_per_epoch * self.batch_size, self.seed)
         return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=0, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
-        tail = self.data[self.split :]
+        data, split = self._corpus()
+        tail = data[split:]
         count = self.val_batches * self.batch_size
         offsets = torch.linspace(0, len(tail) - self.block_size - 1, count).round().long()
         dataset = ByteWindows(tail, self.block_size, offsets)

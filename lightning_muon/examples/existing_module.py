@@ -15,7 +15,7 @@ The demo's own ``configure_optimizers`` (SGD) is replaced by the mixin's
 pair, which it says once at fit start. Note that the demo's decoder is fed
 the very targets it predicts (``forward(inputs, target)`` with a causal mask
 that includes the diagonal), so its loss falls towards zero quickly and is not
-a language-modelling number; `examples.char_gpt` is the example for that.
+a language-modelling number; `lightning_muon.examples.char_gpt` is the example for that.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_muon import MuonMixin
-
-from examples.text_data import StdlibTextDataModule
+from lightning_muon.examples.text_data import StdlibTextDataModule
 
 __all__ = ["MuonLightningTransformer", "StdlibWindowsDataModule"]
 
@@ -61,7 +60,8 @@ class MuonLightningTransformer(MuonMixin, LightningTransformer):
 
 
 class StdlibWindowsDataModule(StdlibTextDataModule):
-    """`examples.text_data.StdlibTextDataModule` with the demo's window length: 35 bytes, 20 windows a batch.
+    """`StdlibTextDataModule` (`lightning_muon.examples.text_data`) with the demo's window length: 35 bytes, 20 windows
+    a batch.
 
     Batches are ``(inputs, targets)`` of shape ``(batch_size, block_size)``,
     the pair ``LightningTransformer.forward(inputs, target)`` takes.
@@ -69,7 +69,7 @@ class StdlibWindowsDataModule(StdlibTextDataModule):
     Args:
         block_size: bytes per window.
         batch_size: windows per batch.
-        kwargs: the other arguments of `examples.text_data.StdlibTextDataModule`
+        kwargs: the other arguments of `lightning_muon.examples.text_data.StdlibTextDataModule`
             (``max_bytes``, ``val_fraction``, ``train_batches_per_epoch``,
             ``val_batches``, ``seed``, ``cache_dir``, ``source_dir``).
     """

@@ -63,15 +63,20 @@ class DigitsDataModule(L.LightningDataModule):
         self.train_set = TensorDataset(images[train], labels[train])
         self.val_set = TensorDataset(images[val], labels[val])
 
+    def _split(self, dataset: TensorDataset | None) -> TensorDataset:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() has not run yet")
+        return dataset
+
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, generator=generator)
+        return DataLoader(self._split(self.train_set), batch_size=self.batch_size, shuffle=True, generator=generator)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=256)
+        return DataLoader(self._split(self.val_set), batch_size=256)
 
     def test_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=256)
+        return DataLoader(self._split(self.val_set), batch_size=256)
 
 
 def conv_block(in_channels: int, out_channels: int, stride: int = 1) -> nn.Sequential:

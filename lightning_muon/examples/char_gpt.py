@@ -8,9 +8,9 @@ matrices and AdamW on the embeddings, norms and head, by one line:
 
 The data (`StdlibTextDataModule`) are the bytes of this machine's standard
 library, so nothing is downloaded. Tokens are bytes, so ``val_loss / ln 2`` is
-bits per byte (``val_bpb``). From the repository root::
+bits per byte (``val_bpb``)::
 
-    python -m examples.char_gpt            # 300 steps on a laptop CPU in a minute or two
+    python -m lightning_muon.examples.char_gpt   # 300 steps on a laptop CPU in a minute or two
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_muon import MuonMixin
-
-from examples.text_data import StdlibTextDataModule
+from lightning_muon.examples.text_data import StdlibTextDataModule
 
 __all__ = ["GPT", "CharGPT", "StdlibTextDataModule"]
 
