@@ -147,3 +147,18 @@ def test_optimizers_and_schedulers_reads_configure_optimizers_as_lightning_does(
     assert _compat.optimizers_and_schedulers(sgd) == ([sgd], [])
     assert _compat.optimizers_and_schedulers(([sgd], [step])) == ([sgd], [step])
     assert _compat.optimizers_and_schedulers({"optimizer": sgd, "lr_scheduler": {"scheduler": step}}) == ([sgd], [step])
+
+
+def test_attached_trainer_is_the_fitting_trainer_and_none_outside_a_fit():
+    model = MuonNet()
+    assert _compat.attached_trainer(model) is None, FIX.format(L.__version__, "attached_trainer")
+    seen = []
+
+    class See(Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.append(_compat.attached_trainer(pl_module) is trainer)
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[See()])
+    trainer.fit(model)
+    assert seen == [True], FIX.format(L.__version__, "attached_trainer")

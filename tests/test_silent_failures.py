@@ -13,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -130,3 +131,34 @@ def test_16_mixed_with_every_update_skipped_by_the_scaler_stops_instead_of_compl
                                                r"itself is NaN"):
             trainer.fit(model)
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # nothing moved, and it says so
+
+
+class PlainAdamW(Regression):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_checkpoint_without_the_routing_record_is_refused_with_the_way_to_start_fresh(tmp_path):
+    plain = make_trainer(tmp_path, max_steps=2)
+    plain.fit(PlainAdamW())
+    path = tmp_path / "plain.ckpt"
+    plain.save_checkpoint(path)
+    foreign = r"(?s)1 optimizer state\(s\) but no MuonMixin routing record.*load_state_dict"
+    with pytest.raises(MisconfigurationException, match=foreign):
+        make_trainer(tmp_path, max_steps=4).fit(MuonRegression(), ckpt_path=path)
+    # The way the message gives: its weights, fresh optimizers.
+    model = MuonRegression()
+    model.load_state_dict(torch.load(path, weights_only=True)["state_dict"])
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.fit(model)
+    assert trainer.global_step == 2
+    # Loading only the weights through load_from_checkpoint is no resume: allowed.
+    MuonRegression.load_from_checkpoint(path, weights_only=True)
+
+
+def test_a_model_with_every_parameter_frozen_says_so(tmp_path):
+    model = MuonRegression()
+    model.requires_grad_(False)
+    frozen = r"MuonRegression has no trainable parameter: every parameter has requires_grad=False"
+    with pytest.raises(MisconfigurationException, match=frozen):
+        make_trainer(tmp_path, max_steps=2).fit(model)

@@ -47,3 +47,18 @@ def check_routing(saved: dict[str, Any], current: dict[str, list[str]]) -> None:
             "loaded into the wrong parameters. Differences:\n" + "\n".join(differences) + "\n"
             "Resume with the muon_params/adamw_params (and muon class) the checkpoint was trained with."
         )
+
+
+def refuse_foreign_optimizer_states(checkpoint: dict[str, Any]) -> None:
+    """A fit resuming from a checkpoint with optimizer states but no routing record: refuse, with the way to
+    start from its weights with fresh optimizers (its states belong to another module's optimizers)."""
+    states = checkpoint.get("optimizer_states") or []
+    if not states:
+        return
+    raise MisconfigurationException(
+        f"This checkpoint holds {len(states)} optimizer state(s) but no MuonMixin routing record: it was saved by a "
+        "module without MuonMixin, so its states cannot be matched to Muon and AdamW. To start from its weights "
+        "with fresh optimizers, load them and fit without ckpt_path:\n"
+        "    model.load_state_dict(torch.load(path, weights_only=True)['state_dict'])\n"
+        "    trainer.fit(model)"
+    )

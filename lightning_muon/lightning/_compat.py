@@ -148,3 +148,8 @@ def optimizers_and_schedulers(optim_conf: Any) -> tuple[list[Any], list[Any]]:
 
     optimizers, schedulers, _ = _configure_optimizers(optim_conf)
     return list(optimizers), [s["scheduler"] if isinstance(s, dict) else s for s in schedulers]
+
+
+def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
+    """The Trainer a module is attached to, or ``None`` (``module.trainer`` raises when there is none)."""
+    return module._trainer

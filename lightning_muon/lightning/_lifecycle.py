@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import LearningRateFinder
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.lightning import _checks, _compat
 from lightning_muon.lightning._fit_settings import resolve
@@ -41,6 +42,12 @@ def setup_fit(module: MuonMixin) -> None:
 def build_optimizers(module: MuonMixin) -> Any:
     """``[muon, adamw]`` over the routed param groups (only AdamW when ``muon=None``), with their schedulers."""
     routing, config = module.muon_routing(), module._muon_config
+    if not routing.routes:
+        raise MisconfigurationException(
+            f"{type(module).__name__} has no trainable parameter: every parameter has requires_grad=False (or the "
+            "layers are built after the optimizers). Unfreeze what should train (`layer.requires_grad_(True)`), "
+            "or build the layers in __init__ or configure_model."
+        )
     rank_zero_info("\n" + routing.render())
     if module.muon_enabled and not routing.muon_groups:
         rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")

@@ -249,6 +249,10 @@ class MuonMixin(_LightningModuleBase):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         saved = checkpoint.get(_checkpoint.CHECKPOINT_KEY)
-        if saved is not None:
-            _checkpoint.check_routing(saved, _checkpoint.optimizer_names(self.muon_routing(), self.muon_enabled))
-            self._muon_loop.load_state_dict(saved)
+        if saved is None:
+            trainer = _compat.attached_trainer(self)  # None for load_from_checkpoint: weights only, no optimizers
+            if trainer is not None and trainer.state.fn == "fit":
+                _checkpoint.refuse_foreign_optimizer_states(checkpoint)
+            return
+        _checkpoint.check_routing(saved, _checkpoint.optimizer_names(self.muon_routing(), self.muon_enabled))
+        self._muon_loop.load_state_dict(saved)
