@@ -7,6 +7,7 @@ a run extended from a checkpoint (a larger ``max_steps``) keeps a learning rate 
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 import lightning as L
@@ -162,3 +163,20 @@ def test_a_model_with_every_parameter_frozen_says_so(tmp_path):
     frozen = r"MuonRegression has no trainable parameter: every parameter has requires_grad=False"
     with pytest.raises(MisconfigurationException, match=frozen):
         make_trainer(tmp_path, max_steps=2).fit(model)
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.5], ids=["empty", "truncated"])
+def test_an_unreadable_checkpoint_file_is_named_with_the_fix(tmp_path, keep):
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.fit(MuonRegression())
+    whole = tmp_path / "whole.ckpt"
+    trainer.save_checkpoint(whole)
+    broken = tmp_path / "broken.ckpt"
+    data = whole.read_bytes()
+    broken.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(RuntimeError, match=rf"{re.escape(str(broken))} is not a complete checkpoint \(\d[\d,]* bytes;"):
+        make_trainer(tmp_path, max_steps=4).fit(MuonRegression(), ckpt_path=broken)
+    # The wrapper changes nothing for a good file.
+    resumed = make_trainer(tmp_path, max_steps=4)
+    resumed.fit(MuonRegression(), ckpt_path=whole)
+    assert resumed.global_step == 4

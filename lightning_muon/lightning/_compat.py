@@ -12,6 +12,8 @@ No other module of the package may use a private Lightning name.
 from __future__ import annotations
 
 import contextlib
+import os
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.strategies import Strategy
     from torch.optim import Optimizer
 
 #: The Lightning releases these wrappers were checked against (``tests/test_compat.py``).
@@ -153,3 +156,28 @@ def optimizers_and_schedulers(optim_conf: Any) -> tuple[list[Any], list[Any]]:
 def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
     """The Trainer a module is attached to, or ``None`` (``module.trainer`` raises when there is none)."""
     return module._trainer
+
+
+def name_unreadable_checkpoints(strategy: Strategy) -> None:
+    """Make the strategy's checkpoint loading name the file and the fix when the file cannot be read (truncated
+    by a run killed while saving, or empty), instead of torch's bare ``EOFError``/``RuntimeError``. The fit's
+    ``ckpt_path`` is loaded by ``strategy.load_checkpoint`` before any module hook runs, hence the wrapper."""
+    load = strategy.load_checkpoint
+    if getattr(load, "_muon_names_files", False):
+        return
+
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return load(checkpoint_path, *args, **kwargs)
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as error:
+            if not os.path.isfile(checkpoint_path):
+                raise
+            size = os.path.getsize(checkpoint_path)
+            raise RuntimeError(
+                f"{checkpoint_path} is not a complete checkpoint ({size:,} bytes; {type(error).__name__}: {error}). "
+                "It is empty or truncated (a run stopped while saving it?): resume from another checkpoint, or fit "
+                "without ckpt_path."
+            ) from error
+
+    load_checkpoint._muon_names_files = True  # type: ignore[attr-defined]
+    strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign]

@@ -23,6 +23,7 @@ def begin_fit(module: MuonMixin) -> None:
     flags (and ``GradientAccumulationScheduler``) for the mixin, and resolve them against its own arguments."""
     trainer = module.trainer
     _checks.check_callbacks(module, module.muon_enabled)
+    _compat.name_unreadable_checkpoints(trainer.strategy)
     flags = _compat.take_trainer_flags(trainer)
     try:
         module._muon_loop.settings = resolve(module._muon_config, flags)
