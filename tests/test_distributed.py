@@ -22,7 +22,7 @@ from lightning_muon import Muon
 from lightning_muon.optim._collectives import assign_owners, is_dtensor
 from lightning_muon.optim.newton_schulz import zeropower_via_newtonschulz
 
-from helpers import EndProcessGroup, MuonNet, SaveCheckpointAtEnd, SaveEveryRank, muon_factory
+from helpers import EndProcessGroup, MuonNet, SaveCheckpointAtEnd, SaveEveryRank, make_trainer, muon_factory
 
 #: 2 ranks x batch 4 and 1 process x batch 8 differ only in float32 summation order; fp32 Newton-Schulz
 #: keeps 10 updates of that within this.
@@ -325,3 +325,7 @@ def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path):
         resumed = torch.load(tmp_path / "resumed" / f"rank{r}.pt")["params"]
         for name, p in straight.items():
             assert torch.equal(resumed[name], p), f"rank {r}: {name}"
+    # On one process it is refused naming what it is and what reads it (not a raw IsADirectoryError).
+    one = MuonNet(muon=muon_factory(), muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
+    with pytest.raises(RuntimeError, match=r"is a distributed checkpoint .* SingleDeviceStrategy reads a single file"):
+        make_trainer(tmp_path / "one", max_epochs=2).fit(one, ckpt_path=checkpoint)

@@ -170,6 +170,13 @@ def name_unreadable_checkpoints(strategy: Strategy) -> None:
         try:
             return load(checkpoint_path, *args, **kwargs)
         except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as error:
+            if os.path.isdir(checkpoint_path) and isinstance(error, IsADirectoryError):
+                raise RuntimeError(
+                    f"{checkpoint_path} is a distributed checkpoint (a directory torch.distributed.checkpoint wrote "
+                    f"under FSDP2); {type(strategy).__name__} reads a single file. Resume it with the strategy "
+                    "that saved it (ModelParallelStrategy with fully_shard in configure_model); moving it to one "
+                    "process is not supported yet."
+                ) from error
             if not os.path.isfile(checkpoint_path):
                 raise
             size = os.path.getsize(checkpoint_path)
