@@ -329,3 +329,24 @@ def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path):
     one = MuonNet(muon=muon_factory(), muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
     with pytest.raises(RuntimeError, match=r"is a distributed checkpoint .* SingleDeviceStrategy reads a single file"):
         make_trainer(tmp_path / "one", max_epochs=2).fit(one, ckpt_path=checkpoint)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_one_process_checkpoint_under_fsdp2_is_refused_saying_why(tmp_path):
+    """Lightning's conversion maps each optimizer's states onto the model's parameters in order: wrong for two."""
+    L.seed_everything(0)
+    one = MuonNet(batch_size=4, muon=muon_factory(), muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
+    trainer = make_trainer(tmp_path / "one", max_epochs=1)
+    trainer.fit(one)
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "fsdp2_run.py"), str(tmp_path / "fsdp2"), "--max-epochs", "2",
+         "--ckpt", str(tmp_path / "one.ckpt")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(port)},
+    )
+    assert result.returncode != 0
+    assert "holds one process's (or DDP's) optimizer states, by position; ModelParallelStrategy" in result.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -159,32 +160,45 @@ def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
 
 
 def name_unreadable_checkpoints(strategy: Strategy) -> None:
-    """Make the strategy's checkpoint loading name the file and the fix when the file cannot be read (truncated
-    by a run killed while saving, or empty), instead of torch's bare ``EOFError``/``RuntimeError``. The fit's
-    ``ckpt_path`` is loaded by ``strategy.load_checkpoint`` before any module hook runs, hence the wrapper."""
+    """Make the strategy's checkpoint loading say what is wrong with the file and what to do, instead of torch's
+    bare errors: an empty or truncated file (a run stopped while saving it), an FSDP2 checkpoint directory on a
+    strategy that reads one file, a one-file checkpoint under FSDP2 (Lightning maps each optimizer's states onto
+    the model's parameters in order, which does not hold for Muon + AdamW). The fit's ``ckpt_path`` is loaded by
+    ``strategy.load_checkpoint`` before any module hook runs, hence the wrapper."""
     load = strategy.load_checkpoint
     if getattr(load, "_muon_names_files", False):
         return
+    name = type(strategy).__name__
 
     def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         try:
             return load(checkpoint_path, *args, **kwargs)
+        except IsADirectoryError as error:
+            raise RuntimeError(
+                f"{checkpoint_path} is a distributed checkpoint (a directory torch.distributed.checkpoint wrote "
+                f"under FSDP2); {name} reads a single file. Resume it with the strategy that saved it "
+                "(ModelParallelStrategy with fully_shard in configure_model); moving it to one process is not "
+                "supported yet."
+            ) from error
         except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as error:
-            if os.path.isdir(checkpoint_path) and isinstance(error, IsADirectoryError):
-                raise RuntimeError(
-                    f"{checkpoint_path} is a distributed checkpoint (a directory torch.distributed.checkpoint wrote "
-                    f"under FSDP2); {type(strategy).__name__} reads a single file. Resume it with the strategy "
-                    "that saved it (ModelParallelStrategy with fully_shard in configure_model); moving it to one "
-                    "process is not supported yet."
-                ) from error
             if not os.path.isfile(checkpoint_path):
                 raise
-            size = os.path.getsize(checkpoint_path)
-            raise RuntimeError(
-                f"{checkpoint_path} is not a complete checkpoint ({size:,} bytes; {type(error).__name__}: {error}). "
-                "It is empty or truncated (a run stopped while saving it?): resume from another checkpoint, or fit "
-                "without ckpt_path."
-            ) from error
+            if not zipfile.is_zipfile(checkpoint_path):
+                size = os.path.getsize(checkpoint_path)
+                raise RuntimeError(
+                    f"{checkpoint_path} is not a complete checkpoint ({size:,} bytes; {type(error).__name__}: "
+                    f"{error}). It is empty or truncated (a run stopped while saving it?): resume from another "
+                    "checkpoint, or fit without ckpt_path."
+                ) from error
+            if "Missing optimizer state for parameter" in str(error):
+                raise RuntimeError(
+                    f"{checkpoint_path} holds one process's (or DDP's) optimizer states, by position; {name} "
+                    "maps each optimizer's states onto the model's parameters in order, which does not hold for "
+                    "Muon + AdamW. Resume it with one process or DDP, or start the FSDP2 fit from its weights "
+                    "with fresh optimizers (load its state_dict into the model before fully_shard, fit without "
+                    "ckpt_path)."
+                ) from error
+            raise
 
     load_checkpoint._muon_names_files = True  # type: ignore[attr-defined]
     strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
