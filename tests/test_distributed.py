@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning as L
@@ -350,3 +352,24 @@ def test_a_one_process_checkpoint_under_fsdp2_is_refused_saying_why(tmp_path):
     )
     assert result.returncode != 0
     assert "holds one process's (or DDP's) optimizer states, by position; ModelParallelStrategy" in result.stderr
+
+
+class HangingRank(MuonNet):
+    """Rank 1 stops answering (a hung rank, not a dead one) on its second batch."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and batch_idx == 1:
+            time.sleep(20)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_short_process_group_timeout_ends_a_hung_rank_fit(tmp_path):
+    """The README's advice: the strategy's ``timeout`` bounds how long the other ranks wait (default 30 min)."""
+    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo", find_unused_parameters=True,
+                           timeout=datetime.timedelta(seconds=5))
+    start = time.perf_counter()
+    with pytest.raises(ProcessRaisedException, match=r"Timed out waiting 5000ms"):
+        make_trainer(tmp_path, devices=2, max_steps=4, strategy=strategy).fit(HangingRank(muon=muon_factory()))
+    assert time.perf_counter() - start < 60
