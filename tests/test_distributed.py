@@ -21,6 +21,7 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_muon import Muon
+from lightning_muon.commands.cli import main
 from lightning_muon.optim._collectives import assign_owners, is_dtensor
 from lightning_muon.optim.newton_schulz import zeropower_via_newtonschulz
 
@@ -327,10 +328,20 @@ def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path):
         resumed = torch.load(tmp_path / "resumed" / f"rank{r}.pt")["params"]
         for name, p in straight.items():
             assert torch.equal(resumed[name], p), f"rank {r}: {name}"
-    # On one process it is refused naming what it is and what reads it (not a raw IsADirectoryError).
-    one = MuonNet(muon=muon_factory(), muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
-    with pytest.raises(RuntimeError, match=r"is a distributed checkpoint .* SingleDeviceStrategy reads a single file"):
-        make_trainer(tmp_path / "one", max_epochs=2).fit(one, ckpt_path=checkpoint)
+    # On one process the directory is refused, naming the conversion (not a raw IsADirectoryError) ...
+    def one_process() -> MuonNet:  # 1 process x batch 8 sees the gradients of 2 ranks x batch 4
+        return MuonNet(batch_size=8, muon=muon_factory(), muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
+
+    with pytest.raises(RuntimeError, match=r"is a distributed checkpoint .* reads a single file. Convert it"):
+        make_trainer(tmp_path / "one", max_epochs=2).fit(one_process(), ckpt_path=checkpoint)
+    # ... and the converted file resumes the run on one process: it ends where the 2-rank run ended.
+    main(["convert-checkpoint", str(checkpoint), str(tmp_path / "one.ckpt")])
+    model = one_process()
+    trainer = make_trainer(tmp_path / "one", max_epochs=2)
+    trainer.fit(model, ckpt_path=tmp_path / "one.ckpt")
+    assert trainer.global_step == 2 * torch.load(checkpoint / "meta.pt", weights_only=False)["global_step"]
+    for name, p in straight.items():
+        torch.testing.assert_close(model.get_parameter(name).detach(), p, atol=TOLERANCE, rtol=0, msg=name)
 
 
 @pytest.mark.distributed

@@ -57,6 +57,12 @@ def _lightning_cli(argv: list[str], from_command_line: bool) -> None:
     lightning_cli.run(expand_configs(argv), from_command_line)
 
 
+def _convert(argv: list[str], from_command_line: bool) -> None:
+    from lightning_muon.commands.convert import main as convert
+
+    convert(argv)
+
+
 #: Every subcommand and what runs it (the rest of the command line is its argv). ``None``: no subcommand
 #: (``--help``, ``--config``...), which LightningCLI answers.
 COMMANDS: dict[str | None, Callable[[list[str], bool], None]] = {
@@ -67,6 +73,7 @@ COMMANDS: dict[str | None, Callable[[list[str], bool], None]] = {
     "inspect": _inspect,
     "compare": _compare,
     "configs": _configs,
+    "convert-checkpoint": _convert,
 }
 
 
@@ -119,7 +126,7 @@ def main(args: Sequence[str] | None = None) -> None:
         _help(argv, args is None)
     elif command is None or command.startswith("-"):
         _lightning_cli(argv, args is None)
-    elif command in ("inspect", "compare", "configs"):
+    elif command in ("inspect", "compare", "configs", "convert-checkpoint"):
         COMMANDS[command](argv[1:], args is None)
     elif command in COMMANDS:
         COMMANDS[command](argv, args is None)

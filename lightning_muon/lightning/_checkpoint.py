@@ -9,8 +9,12 @@ listing every difference.
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.routing import ADAMW, MUON, Routing
@@ -62,3 +66,38 @@ def refuse_foreign_optimizer_states(checkpoint: dict[str, Any]) -> None:
         "    model.load_state_dict(torch.load(path, weights_only=True)['state_dict'])\n"
         "    trainer.fit(model)"
     )
+
+
+def consolidate(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Turn an FSDP2 distributed checkpoint (the directory ``ModelParallelStrategy`` saves) into one file that a
+    one-process or DDP fit resumes from: whole tensors, and each optimizer's states keyed by position again.
+
+    ``torch.distributed.checkpoint``'s ``dcp_to_torch_save`` gathers the tensors; Lightning keeps the rest of the
+    checkpoint (loops, schedulers, this package's routing record) in ``meta.pt`` beside them.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    directory, out = Path(directory), Path(out)
+    if not (directory / "meta.pt").is_file():
+        raise ValueError(f"{directory} is not a ModelParallelStrategy (FSDP2) checkpoint directory: it has no meta.pt")
+    with tempfile.TemporaryDirectory() as scratch:
+        whole = Path(scratch) / "whole.pt"
+        dcp_to_torch_save(directory, whole)
+        tensors = torch.load(whole, map_location="cpu", weights_only=False)
+    checkpoint = torch.load(directory / "meta.pt", map_location="cpu", weights_only=False)
+    checkpoint["state_dict"] = tensors["state_dict"]
+    names = sorted((k for k in tensors if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    checkpoint["optimizer_states"] = [_by_position(tensors[k]) for k in names]
+    torch.save(checkpoint, out)
+    return out
+
+
+def _by_position(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (distributed checkpoints) keyed by position (torch's)."""
+    index: dict[str, int] = {}
+    groups = []
+    for group in optimizer_state["param_groups"]:
+        ids = [index.setdefault(name, len(index)) for name in group["params"]]
+        groups.append({**group, "params": ids})
+    state = {index[name]: value for name, value in optimizer_state["state"].items()}
+    return {"state": state, "param_groups": groups}

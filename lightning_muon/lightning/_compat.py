@@ -176,9 +176,9 @@ def name_unreadable_checkpoints(strategy: Strategy) -> None:
         except IsADirectoryError as error:
             raise RuntimeError(
                 f"{checkpoint_path} is a distributed checkpoint (a directory torch.distributed.checkpoint wrote "
-                f"under FSDP2); {name} reads a single file. Resume it with the strategy that saved it "
-                "(ModelParallelStrategy with fully_shard in configure_model); moving it to one process is not "
-                "supported yet."
+                f"under FSDP2); {name} reads a single file. Convert it into one: `lightning-muon "
+                f"convert-checkpoint {checkpoint_path} last.ckpt`, then resume from last.ckpt; or resume it with "
+                "the strategy that saved it (ModelParallelStrategy with fully_shard in configure_model)."
             ) from error
         except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as error:
             if not os.path.isfile(checkpoint_path):
