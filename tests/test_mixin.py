@@ -291,7 +291,7 @@ def test_hyperparameters_are_plain_data(tmp_path):
 
 def test_routing_order_differences_are_refused():
     model = MuonRegression()
-    names = _checkpoint.optimizer_names(model.muon_routing(), model.muon_enabled)
+    names = _checkpoint.optimizer_names(model.muon_routing())
     checkpoint = {
         "lightning_muon": {
             "routing": {"Muon": names["Muon"][::-1], "AdamW": names["AdamW"]},

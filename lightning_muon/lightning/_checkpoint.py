@@ -23,10 +23,9 @@ from lightning_muon.routing import ADAMW, MUON, Routing
 CHECKPOINT_KEY = "lightning_muon"
 
 
-def optimizer_names(routing: Routing, muon_enabled: bool) -> dict[str, list[str]]:
-    """The parameter names each optimizer holds, in order: everything on AdamW when Muon is off or empty."""
-    if not muon_enabled or not routing.muon_groups:
-        return {MUON: [], ADAMW: routing.names(MUON) + routing.names(ADAMW)}
+def optimizer_names(routing: Routing) -> dict[str, list[str]]:
+    """The parameter names each optimizer holds, in order, from where the parameters really go
+    (`MuonMixin.muon_routing`: all on AdamW, ``hidden`` group first, for ``muon=None``)."""
     return {MUON: routing.names(MUON), ADAMW: routing.names(ADAMW)}
 
 

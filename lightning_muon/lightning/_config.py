@@ -248,16 +248,15 @@ class MuonConfig:
                 return self.build("adamw", groups, fused=True)
         return self.build("adamw", groups)
 
-    def effective_lrs(self, routing: Routing, muon_enabled: bool) -> dict[str, float]:
+    def effective_lrs(self, routing: Routing) -> dict[str, float]:
         """The learning rate each routed parameter will start with, by name (Muon's after the shape
-        adjustment), read from optimizers built for the purpose and thrown away."""
+        adjustment), read from optimizers built for the purpose and thrown away. ``routing`` is where the
+        parameters really go (`MuonMixin.muon_routing`: all on AdamW for ``muon=None``)."""
         lrs: dict[str, float] = {}
-        muon_on = muon_enabled and bool(routing.muon_groups)
-        if muon_on:
+        if routing.muon_groups:
             for group in self.build("muon", routing.muon_groups).param_groups:
                 lrs.update(zip(group["param_names"], group_effective_lrs(group), strict=True))
-        adamw_groups = routing.adamw_groups if muon_on else routing.muon_groups + routing.adamw_groups
-        for group in self.build("adamw", adamw_groups).param_groups:
+        for group in self.build("adamw", routing.adamw_groups).param_groups:
             for name in group["param_names"]:
                 lrs[name] = float(group["lr"])
         return lrs

@@ -210,7 +210,8 @@ class UpdateLoop:
             if not bool(torch.isfinite(norm)) and all(bool(torch.isfinite(g).all()) for g in grads):
                 # Every element is finite but the norm overflowed its dtype (fp16 past 65504): recompute.
                 norm = torch.nn.utils.get_total_norm([g.double() for g in grads])
-            if bool(torch.isfinite(norm)):
+            finite = bool(torch.isfinite(norm))  # one device sync decides the update
+            if finite:
                 clip = self.settings.gradient_clip_val
                 if clip is not None and self.settings.gradient_clip_algorithm == "value":
                     torch.nn.utils.clip_grad_value_(params, clip)
@@ -224,7 +225,7 @@ class UpdateLoop:
                 self._skip(module, optimizers, counts_toward_limit=scaler is None)
             if scaler is not None:
                 scaler.update()
-                self._scaler_watch.after_update(not bool(torch.isfinite(norm)), scaler.get_scale(), self._losses)
+                self._scaler_watch.after_update(not finite, scaler.get_scale(), self._losses)
             index = trainer.fit_loop.epoch_loop.batch_idx + 1  # Lightning's count for "step" frequencies
             step_schedulers(module, interval="step", plateau=False, index=index)
             self._plateau_pending = index

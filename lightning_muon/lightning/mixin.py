@@ -174,7 +174,7 @@ class MuonMixin(_LightningModuleBase):
     def muon_effective_lrs(self) -> dict[str, float]:
         """The learning rate each routed parameter will start with, by name (Muon's after the shape
         adjustment), read from optimizers built for the purpose and thrown away."""
-        return self._muon_config.effective_lrs(self.muon_routing(), self.muon_enabled)
+        return self._muon_config.effective_lrs(self.muon_routing())
 
     # -------------------------------------------------------------- optimizers
 
@@ -243,7 +243,7 @@ class MuonMixin(_LightningModuleBase):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        routing = _checkpoint.optimizer_names(self.muon_routing(), self.muon_enabled)
+        routing = _checkpoint.optimizer_names(self.muon_routing())
         checkpoint[_checkpoint.CHECKPOINT_KEY] = {"routing": routing, **self._muon_loop.state_dict()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -254,5 +254,5 @@ class MuonMixin(_LightningModuleBase):
             if trainer is not None and trainer.state.fn == "fit":
                 _checkpoint.refuse_foreign_optimizer_states(checkpoint)
             return
-        _checkpoint.check_routing(saved, _checkpoint.optimizer_names(self.muon_routing(), self.muon_enabled))
+        _checkpoint.check_routing(saved, _checkpoint.optimizer_names(self.muon_routing()))
         self._muon_loop.load_state_dict(saved)

@@ -177,9 +177,7 @@ class Bucket(NamedTuple):
     def effective_lr(self) -> float:
         """The shape-adjusted learning rate of the bucket's matrices (from the whole matrix shape, also
         when the bucket holds this rank's shards)."""
-        rows, cols = self.shape
-        fan = (cols, rows) if self.layout == "in_out" else (rows, cols)
-        return adjust_lr(lr_value(self.group["lr"]), self.group.get("adjust_lr_fn"), fan)
+        return group_effective_lr(self.group, self.shape, self.layout)
 
     @property
     def flops(self) -> int:
