@@ -17,8 +17,17 @@ The modes take turns step by step. Reported per rank: the median step time, the
 median time inside Newton-Schulz (the work being split), and the bytes the rank
 sent, against the bytes of the (fp32) Muon parameters.
 
+The split at 2-64 ranks is computed, not timed (``--plan``, no processes): the
+code's own buckets for GPT-2-small and a ~1B model (24 layers of width 2048) at
+the accelerator default of ``ns_batch_bytes`` (256 MiB), and the code's own owner
+plan (`lightning_muon.optim._plan.plan_jobs`, owners per parameter) against the
+plan before it (owners per bucket): what the DDP all-gather sends over the
+minimum (every update once) and the busiest rank's Newton-Schulz FLOPs over the
+mean.
+
     python benchmarks/distributed.py            # GPT-2-small, 3 timed steps per mode
     python benchmarks/distributed.py --quick    # width-128 matrices, seconds
+    python benchmarks/distributed.py --plan     # the computed split only, a second
 
 Prints the table; with ``--write`` also writes ``benchmarks/results/distributed.md`` (and its
 ``benchmarks/RESULTS.md`` section).
@@ -39,6 +48,8 @@ from rich.table import Table
 
 import lightning_muon.optim._update as muon_module
 from lightning_muon import Muon
+from lightning_muon.optim._collectives import assign_owners
+from lightning_muon.optim._plan import Job, balance, plan_jobs
 
 import _common
 import _report
@@ -101,13 +112,69 @@ def worker(rank: int, layers: int, width: int, repeats: int, init_file: str, out
     dist.destroy_process_group()
 
 
+#: The computed split: (name, GPT layers, width, world sizes).
+PLANNED = (("GPT-2-small", 12, 768, (2, 4, 8)), ("~1B", 24, 2048, (2, 4, 8, 64)))
+
+
+def accelerator_buckets(layers: int, width: int) -> list[muon_module.Bucket]:
+    """Muon's buckets of one step over the GPT hidden matrices at the accelerator default of ``ns_batch_bytes``,
+    built by the code as a DDP step builds them (meta tensors: no memory)."""
+    params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in _common.hidden_shapes(layers, width)]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    optimizer = Muon(params, ns_batch_bytes=muon_module._DEFAULT_BATCH_BYTES_ACCELERATOR)
+    return muon_module.collect_buckets(optimizer.param_groups, optimizer.state, [True] * len(params),
+                                       whole_dtensors=False, synced=True, named=False)
+
+
+def per_bucket_jobs(buckets: list[muon_module.Bucket], world_size: int) -> list[Job]:
+    """The plan before owners went per parameter: each bucket one job, buckets FLOP-balanced over the ranks."""
+    owners = assign_owners([b.flops for b in buckets], world_size)
+    return [Job(b, owner, tuple(range(len(bucket.params)))) for b, (bucket, owner) in enumerate(zip(buckets, owners))]
+
+
+def plan_report() -> tuple[list[str], Table]:
+    """The computed split, as lines (``W=8 accelerator-default: bytes/minimum X.XX, NS max/mean Y.YY``) and a table."""
+    table = Table(title="Split of Newton-Schulz work, computed from the code's buckets at the accelerator default "
+                        f"(ns_batch_bytes {muon_module._DEFAULT_BATCH_BYTES_ACCELERATOR >> 20} MiB, bf16)")
+    for column in ("model", "W", "plan", "jobs", "idle ranks", "all-gather bytes / minimum", "NS max / mean",
+                   "all-gather buffers per rank"):
+        table.add_column(column, justify="left" if column in ("model", "plan") else "right")
+    lines = []
+    for name, layers, width, worlds in PLANNED:
+        buckets = accelerator_buckets(layers, width)
+        matrices = sum(len(b.params) for b in buckets)
+        for label, planner in (("per bucket (before)", per_bucket_jobs), ("per parameter (now)", plan_jobs)):
+            lines.append(f"{name} ({layers} x {width}, {matrices} matrices, {len(buckets)} buckets), "
+                         f"owners {label}:")
+            for world in worlds:
+                jobs = planner(buckets, world)
+                shares = balance(buckets, jobs, world)
+                ratios = f"bytes/minimum {shares.bytes_over_minimum:.2f}, NS max/mean {shares.flops_max_over_mean:.2f}"
+                lines.append(f"  W={world} accelerator-default: {ratios}")
+                idle = sum(1 for f in shares.flops if f == 0)
+                # A send buffer and one receive buffer per rank, each as wide as the largest share.
+                buffers = (world + 1) * max(shares.bytes)
+                table.add_row(name, str(world), label, str(len(jobs)), str(idle),
+                              f"{shares.bytes_over_minimum:.2f}", f"{shares.flops_max_over_mean:.2f}",
+                              f"{buffers / 2**30:.2f} GiB")
+    return lines, table
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="width-128 matrices instead of GPT-2-small")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--plan", action="store_true",
+                        help="print only the computed split at 2-64 ranks (no processes, about a second)")
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/distributed.md and its RESULTS.md section (else: print)")
     args = parser.parse_args(argv)
+    console = _common.console(160)
+    plan_lines, plan_table = plan_report()
+    if args.plan:
+        console.print("\n".join(plan_lines))
+        return
     layers, width, name = (4, 128, "width-128") if args.quick else (12, 768, "GPT-2-small")
     repeats = args.repeats or (20 if args.quick else 3)
 
@@ -138,8 +205,8 @@ def main(argv: list[str] | None = None) -> None:
             table.add_row(mode, *cells, "not counted", "")
         else:
             table.add_row(mode, *cells, f"{sent:,}", f"{sent / param_bytes:.2f}")
-    console = _common.console(160)
     console.print(table)
+    console.print(plan_table)
     details = f"{_common.machine(threads=1)} per rank; {repeats} timed steps per mode (median), modes taking turns"
     console.print(details)
     if args.write:
@@ -153,8 +220,15 @@ def main(argv: list[str] | None = None) -> None:
             "`split_ns=False` gathers each matrix with `DTensor.full_tensor()` on every rank (fp32, not counted "
             "by Muon): each rank receives every other rank's shards.\n"
         )
+        notes += (
+            "\nThe second table is computed, not timed (`python benchmarks/distributed.py --plan` prints it as "
+            "lines): Muon's own buckets of the GPT hidden matrices at the accelerator default of `ns_batch_bytes` "
+            "and its own owner plan, owners per parameter (now) against owners per bucket (before). The all-gather "
+            "pads every rank's share to the largest, so it sends `W x max share`; the minimum is every update once. "
+            "Buffers: the send buffer and the W receive buffers DDP keeps between steps.\n"
+        )
         path = _report.write("distributed", "Distributed Newton-Schulz", _report.command("distributed.py", argv),
-                             details, [table], notes)
+                             details, [table, plan_table], notes)
         console.print(f"wrote {path}")
 
 

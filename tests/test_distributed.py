@@ -22,7 +22,9 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_muon import Muon
 from lightning_muon.commands.cli import main
+from lightning_muon.optim import _update
 from lightning_muon.optim._collectives import assign_owners, is_dtensor
+from lightning_muon.optim._plan import balance, plan_jobs, sub_bucket
 from lightning_muon.optim.newton_schulz import zeropower_via_newtonschulz
 
 from helpers import EndProcessGroup, MuonNet, SaveCheckpointAtEnd, SaveEveryRank, make_trainer, muon_factory
@@ -83,6 +85,69 @@ def test_owner_assignment_balances_flops_deterministically():
     assert owners == [0, 0, 1, 0, 1]
     assert [sum(c for c, o in zip(costs, owners) if o == r) for r in range(2)] == [12.0, 15.0]
     assert assign_owners(costs, 1) == [0] * 5
+
+
+def gpt_shapes(layers: int, width: int) -> list[tuple[int, int]]:
+    """The hidden matrices of ``layers`` GPT blocks (as benchmarks/_common.py's ``hidden_shapes``)."""
+    return [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * layers
+
+
+def accelerator_buckets(shapes: list[tuple[int, int]]) -> list[_update.Bucket]:
+    """One DDP step's buckets at the accelerator default of ``ns_batch_bytes``, built by the code on meta tensors."""
+    params = [nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    optimizer = Muon(params, ns_batch_bytes=_update._DEFAULT_BATCH_BYTES_ACCELERATOR)
+    return _update.collect_buckets(optimizer.param_groups, optimizer.state, [True] * len(params),
+                                   whole_dtensors=False, synced=True, named=False)
+
+
+GPT2_SMALL, ONE_B = gpt_shapes(12, 768), gpt_shapes(24, 2048)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8, 48, 64])
+def test_every_rank_gets_work_whenever_there_are_as_many_matrices(world):
+    """With the accelerator default GPT-2-small forms 4 buckets; owners per bucket left 4 of 8 ranks idle."""
+    buckets = accelerator_buckets(GPT2_SMALL)
+    assert len(buckets) < 8  # what makes the test a test
+    jobs = plan_jobs(buckets, world)
+    # Every parameter in exactly one job, each job one owner's part of one bucket.
+    placed = sorted((job.bucket, i) for job in jobs for i in job.indices)
+    assert placed == [(b, i) for b, bucket in enumerate(buckets) for i in range(len(bucket.params))]
+    assert len({(job.bucket, job.owner) for job in jobs}) == len(jobs)
+    assert len(jobs) >= min(world, len(GPT2_SMALL))
+    assert len({job.owner for job in jobs}) == min(world, len(GPT2_SMALL))
+
+
+@pytest.mark.parametrize("shapes", [GPT2_SMALL, ONE_B], ids=["gpt2-small", "1b"])
+def test_the_split_at_8_ranks_is_balanced_in_bytes_and_flops(shapes):
+    """The issue's targets: the all-gather sends at most 1.2x the minimum, NS work max/mean at most 1.2."""
+    buckets = accelerator_buckets(shapes)
+    shares = balance(buckets, plan_jobs(buckets, 8), 8)
+    assert shares.bytes_over_minimum <= 1.2 and shares.flops_max_over_mean <= 1.2, shares
+    # The greedy bound, at any world size: the busiest rank does at most the mean plus one parameter's work.
+    largest = max(b.flops / len(b.params) for b in buckets)
+    for world in (2, 3, 8, 64):
+        flops = balance(buckets, plan_jobs(buckets, world), world).flops
+        assert max(flops) <= sum(flops) / world + largest
+
+
+def test_the_plan_is_the_same_on_every_rank():
+    """Each rank builds its own buckets (its own tensors) and plans alone: the plans must agree."""
+    shapes = [(7, 7), (16, 8), (7, 7), (3, 5), (7, 7), (16, 8)]
+    plans = [plan_jobs(accelerator_buckets(shapes), 3) for _ in range(2)]
+    assert plans[0] == plans[1]
+    assert plans[0] == plan_jobs(accelerator_buckets(shapes), 3)
+
+
+def test_a_sub_bucket_keeps_its_parameters_lists_aligned():
+    (bucket,) = accelerator_buckets([(4, 4)] * 5)
+    part = sub_bucket(bucket, [1, 3])
+    assert part.params == [bucket.params[1], bucket.params[3]]
+    assert part.grads == [bucket.grads[1], bucket.grads[3]] and part.bufs == [bucket.bufs[1], bucket.bufs[3]]
+    assert len(part.names) == 2 and part.shape == bucket.shape and part.group is bucket.group
+    assert part.exchange_layout[0] == 2 and part.flops * 5 == bucket.flops * 2
+    assert sub_bucket(bucket, range(5)) is bucket
 
 
 def test_orthogonalising_a_shard_is_not_orthogonalising_the_matrix():

@@ -98,6 +98,12 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
+def layout_bytes(layout: tuple[int, tuple[int, int], torch.dtype]) -> int:
+    """Bytes a job of this ``(count, (m, n), dtype)`` takes in an exchange buffer (each matrix 8-byte aligned)."""
+    count, (m, n), dtype = layout
+    return count * _padded(m * n * dtype.itemsize)
+
+
 def all_gather_results(
     local: dict[int, list[Tensor]],
     owners: Sequence[int],
@@ -123,8 +129,8 @@ def all_gather_results(
     the largest share.
     """
     sizes = [0] * world.size
-    for job, (count, (m, n), dtype) in enumerate(layouts):
-        sizes[owners[job]] += count * _padded(m * n * dtype.itemsize)
+    for job, layout in enumerate(layouts):
+        sizes[owners[job]] += layout_bytes(layout)
     width = max(sizes)
     key = (width, str(device))
     if buffers is not None and key in buffers:

@@ -5,10 +5,13 @@
 - `LocalStep`: one process, or every rank doing all the work (``split_ns=False``,
   and DTensor layouts other than FSDP2's, whose matrices are gathered whole);
 - `ReplicatedStep` (DDP): each rank orthogonalises a FLOP-balanced share of the
-  buckets, the results are all-gathered, every rank applies every update;
-- `ShardedStep` (FSDP2, DTensors ``Shard(0)`` on one 1-D mesh): each bucket's row
+  matrices, the results are all-gathered, every rank applies every update;
+- `ShardedStep` (FSDP2, DTensors ``Shard(0)`` on one 1-D mesh): each matrix's row
   shards go to an owner rank, which orthogonalises the whole matrices and sends
   every rank back its rows.
+
+Owners are assigned per parameter, each bucket cut into one job per owner
+(`lightning_muon.optim._plan`), so the split does not depend on ``ns_batch_bytes``.
 
 Each strategy owns its owners, exchange buffers, byte count and diagnostics;
 all of them use the maths of `lightning_muon.optim._update`.
@@ -25,13 +28,13 @@ from lightning_muon.optim import _update
 from lightning_muon.optim._collectives import (
     World,
     all_gather_results,
-    assign_owners,
     gather_to_owners,
     is_dtensor,
     replicated_world,
     scatter_from_owners,
     sharded_world,
 )
+from lightning_muon.optim._plan import Job, in_bucket_order, plan_jobs, sub_bucket
 from lightning_muon.optim._update import Bucket, Chooser, ParamDiagnostics
 
 
@@ -62,7 +65,7 @@ class LocalStep:
 
 
 class ReplicatedStep(LocalStep):
-    """DDP: each rank orthogonalises its share of the buckets; the results are all-gathered; all apply all.
+    """DDP: each rank orthogonalises its share of the matrices; the results are all-gathered; all apply all.
 
     Every rank keeps every momentum buffer (Lightning checkpoints rank 0), so parameters stay identical.
     """
@@ -77,19 +80,25 @@ class ReplicatedStep(LocalStep):
         assert self.world is not None
         if not buckets:  # the same on every rank: which parameters have gradients was agreed
             return []
-        owners = assign_owners([b.flops for b in buckets], self.world.size)
+        jobs = plan_jobs(buckets, self.world.size)
+        parts = [sub_bucket(buckets[job.bucket], job.indices) for job in jobs]
         local = {}
-        for j, bucket in enumerate(buckets):
-            if owners[j] == self.world.rank:
-                local[j] = _update.orthogonalise(bucket, _update.momentum(bucket))
-            else:  # every rank keeps every momentum buffer; only the owner needs the update itself
-                _update.momentum(bucket, update=False)
+        for j, (job, part) in enumerate(zip(jobs, parts, strict=True)):
+            if job.owner == self.world.rank:
+                local[j] = _update.orthogonalise(part, _update.momentum(part))
+        # Every rank keeps every momentum buffer; only the owner needs the update itself.
+        mine = {job.bucket: set(job.indices) for job in jobs if job.owner == self.world.rank}
+        for b, bucket in enumerate(buckets):
+            others = [i for i in range(len(bucket.params)) if i not in mine.get(b, ())]
+            if others:
+                _update.momentum(sub_bucket(bucket, others), update=False)
         device = buckets[0].params[0].device
-        layouts = [b.exchange_layout for b in buckets]
+        layouts = [part.exchange_layout for part in parts]
+        owners = [job.owner for job in jobs]
         gathered = all_gather_results(local, owners, layouts, self.world, device, self._buffers)
         self.exchanged_bytes = int(sum(t.numel() * t.element_size() for ts in local.values() for t in ts))
         diagnostics: list[ParamDiagnostics] = []
-        for bucket, orthogonal in zip(buckets, gathered, strict=True):
+        for bucket, orthogonal in zip(buckets, in_bucket_order(buckets, jobs, gathered), strict=True):
             _update.apply(bucket, orthogonal)
             if diagnose is not None:
                 diagnostics += _update.record(bucket, orthogonal, diagnose)
@@ -97,7 +106,7 @@ class ReplicatedStep(LocalStep):
 
 
 class ShardedStep(LocalStep):
-    """FSDP2: each bucket's row shards go to its owner rank, which orthogonalises the whole matrices and
+    """FSDP2: each job's row shards go to its owner rank, which orthogonalises the whole matrices and
     sends every rank back its rows of the result; every rank applies its own rows. Momentum stays sharded."""
 
     whole_dtensors = False
@@ -112,41 +121,46 @@ class ShardedStep(LocalStep):
             return []
         # The local shards (views: in-place updates reach the DTensors) do all the elementwise work.
         local = [bucket.local() for bucket in buckets]
-        owners = assign_owners([b.flops for b in buckets], self.world.size)
-        layouts = [b.exchange_layout for b in buckets]
-        shards = [_update.momentum(bucket) for bucket in local]
+        updates = [_update.momentum(bucket) for bucket in local]
+        jobs = plan_jobs(buckets, self.world.size)
+        owners = [job.owner for job in jobs]
+        layouts = [sub_bucket(buckets[job.bucket], job.indices).exchange_layout for job in jobs]
+        shards = [[updates[job.bucket][i] for i in job.indices] for job in jobs]
         whole = gather_to_owners(shards, owners, layouts, self.world)
-        results = {j: _update.orthogonalise_stack(buckets[j].group, stack) for j, stack in whole.items()}
+        results = {j: _update.orthogonalise_stack(buckets[jobs[j].bucket].group, stack) for j, stack in whole.items()}
         device = local[0].params[0].device
         mine = scatter_from_owners(results, owners, layouts, self.world, device)
         self.exchanged_bytes = sum(
             s.numel() * layout[2].itemsize for ss, layout in zip(shards, layouts, strict=True) for s in ss
         ) + sum(r.numel() * r.element_size() for r in results.values())
-        for bucket, orthogonal in zip(local, mine, strict=True):
+        for bucket, orthogonal in zip(local, in_bucket_order(buckets, jobs, mine), strict=True):
             _update.apply(bucket, orthogonal)
-        return [] if diagnose is None else self._diagnostics(buckets, results, diagnose)
+        return [] if diagnose is None else self._diagnostics(buckets, jobs, results, diagnose)
 
     def _diagnostics(
-        self, buckets: Sequence[Bucket], results: dict[int, Tensor], diagnose: Chooser
+        self, buckets: Sequence[Bucket], jobs: Sequence[Job], results: dict[int, Tensor], diagnose: Chooser
     ) -> list[ParamDiagnostics]:
         """Owners measure the whole updates they computed; one all-reduce gives every rank every number."""
         assert self.world is not None
-        chosen = [[i for i, p in enumerate(bucket.params) if diagnose(p)] for bucket in buckets]
+        chosen = [[k for k, i in enumerate(job.indices) if diagnose(buckets[job.bucket].params[i])] for job in jobs]
         starts = [0]
         for picked in chosen:
             starts.append(starts[-1] + len(picked))
         values = torch.zeros(starts[-1], 2, device=buckets[0].params[0].device)
         for j, stack in results.items():
             if chosen[j]:
-                errors, rms = _update.measure(stack[chosen[j]], buckets[j].effective_lr)
+                errors, rms = _update.measure(stack[chosen[j]], buckets[jobs[j].bucket].effective_lr)
                 values[starts[j] : starts[j + 1]] = torch.stack([errors, rms], dim=1)
         torch.distributed.all_reduce(values, group=self.world.group)
+        measured = {}  # (bucket, position) -> its numbers: the diagnostics come in bucket order, as on one process
+        for j, job in enumerate(jobs):
+            for row, k in zip(values[starts[j] : starts[j + 1]], chosen[j], strict=True):
+                measured[job.bucket, job.indices[k]] = row
         diagnostics = []
-        for j, bucket in enumerate(buckets):
-            lr = bucket.effective_lr
-            for row, i in zip(values[starts[j] : starts[j + 1]], chosen[j], strict=True):
-                shape = tuple(bucket.params[i].shape)
-                diagnostics.append(ParamDiagnostics(bucket.names[i], shape, lr, row[0], row[1]))
+        for (b, i), row in sorted(measured.items(), key=lambda item: item[0]):
+            bucket = buckets[b]
+            shape = tuple(bucket.params[i].shape)
+            diagnostics.append(ParamDiagnostics(bucket.names[i], shape, bucket.effective_lr, row[0], row[1]))
         return diagnostics
 
 
