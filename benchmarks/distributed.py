@@ -28,6 +28,13 @@ mean.
     python benchmarks/distributed.py            # GPT-2-small, 3 timed steps per mode
     python benchmarks/distributed.py --quick    # width-128 matrices, seconds
     python benchmarks/distributed.py --plan     # the computed split only, a second
+    python benchmarks/distributed.py --agreement  # step time with and without the gradient agreement
+
+``--agreement`` times, on 2 gloo ranks and the width-128 matrices, a DDP split step with the
+agreement on which parameters have gradients (one all-reduce of a CPU tensor, no device sync)
+and without it (every rank trusting its own flags), and the agreement alone. On a GPU the point is
+the device sync the old path made (``.tolist()`` of a device tensor waits for all queued work),
+which a CPU cannot show.
 
 Prints the table; with ``--write`` also writes ``benchmarks/results/distributed.md`` (and its
 ``benchmarks/RESULTS.md`` section).
@@ -161,12 +168,59 @@ def plan_report() -> tuple[list[str], Table]:
     return lines, table
 
 
+def agreement_worker(rank: int, repeats: int, init_file: str, out: str) -> None:
+    """Times split DDP steps with and without the gradient agreement (modes taking turns), and the agreement
+    alone; saves the medians."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    shapes = _common.hidden_shapes(4, 128)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    optimizer = Muon(params, lr=0.02, momentum=0.95, weight_decay=0.01)
+    optimizer.step()  # warm-up; chooses the strategy (and its agreement)
+    strategy = optimizer._strategy[1]
+    agree = strategy.agree
+    times: dict[str, list[float]] = {"with agreement": [], "without": [], "agreement alone": []}
+    flags = [True] * len(params)
+    for _ in range(repeats):
+        for mode in ("with agreement", "without"):
+            strategy.agree = agree if mode == "with agreement" else (lambda flags, device: flags)  # type: ignore
+            dist.barrier()
+            start = time.perf_counter()
+            optimizer.step()
+            times[mode].append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        agree(flags, params[0].device)
+        times["agreement alone"].append(time.perf_counter() - start)
+    torch.save({mode: statistics.median(t) for mode, t in times.items()}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def agreement_report(repeats: int) -> Table:
+    """Median step and agreement times per rank (2 gloo ranks, width-128 matrices)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(agreement_worker, args=(repeats, os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=True)
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(WORLD)]
+    table = Table(title=f"Gradient agreement, {WORLD} CPU processes (gloo, 1 thread each), width-128 matrices, "
+                        f"{repeats} steps per mode (median)")
+    table.add_column("mode")
+    table.add_column("ms (rank 0 / 1)", justify="right")
+    for mode in ranks[0]:
+        table.add_row(mode, " / ".join(f"{1e3 * r[mode]:.3f}" for r in ranks))
+    return table
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="width-128 matrices instead of GPT-2-small")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--plan", action="store_true",
                         help="print only the computed split at 2-64 ranks (no processes, about a second)")
+    parser.add_argument("--agreement", action="store_true",
+                        help="time only a step with and without the gradient agreement (2 ranks, width-128)")
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/distributed.md and its RESULTS.md section (else: print)")
     args = parser.parse_args(argv)
@@ -174,6 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     plan_lines, plan_table = plan_report()
     if args.plan:
         console.print("\n".join(plan_lines))
+        return
+    if args.agreement:
+        console.print(agreement_report(args.repeats or 200))
         return
     layers, width, name = (4, 128, "width-128") if args.quick else (12, 768, "GPT-2-small")
     repeats = args.repeats or (20 if args.quick else 3)

@@ -23,7 +23,7 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 from lightning_muon import Muon
 from lightning_muon.commands.cli import main
 from lightning_muon.optim import _update
-from lightning_muon.optim._collectives import assign_owners, is_dtensor
+from lightning_muon.optim._collectives import agreement_path, assign_owners, is_dtensor
 from lightning_muon.optim._plan import balance, plan_jobs, sub_bucket
 from lightning_muon.optim.newton_schulz import zeropower_via_newtonschulz
 
@@ -148,6 +148,60 @@ def test_a_sub_bucket_keeps_its_parameters_lists_aligned():
     assert len(part.names) == 2 and part.shape == bucket.shape and part.group is bucket.group
     assert part.exchange_layout[0] == 2 and part.flops * 5 == bucket.flops * 2
     assert sub_bucket(bucket, range(5)) is bucket
+
+
+@pytest.mark.parametrize(
+    ("backend", "spans_world", "path"),
+    [
+        ("gloo", True, "cpu"),
+        ("gloo", False, "cpu"),
+        ("cpu:gloo,cuda:nccl", False, "cpu"),  # init_process_group() without a backend on a GPU machine
+        ("nccl", True, "gloo"),  # DDP on GPUs: a gloo group over all ranks, made once
+        ("nccl", False, "device"),  # a subgroup: creating a group would need every rank of the job
+    ],
+)
+def test_ranks_agree_on_gradients_without_the_device_wherever_the_backend_allows(backend, spans_world, path):
+    assert agreement_path(backend, spans_world) == path
+
+
+def _agreement_worker(rank: int, init_file: str, out: str) -> None:
+    """Under a (pretended) NCCL world, Muon agrees on gradient presence over a gloo group, on CPU tensors."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dist.get_backend = lambda group=None: "nccl"  # what choose_strategy sees; the real group stays gloo
+    reduced = []
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, group=None, **kwargs):
+        reduced.append((str(tensor.device), group is None))
+        return all_reduce(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = recording
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(8, 4)) for _ in range(3)]
+    optimizer = Muon(params, lr=0.1, ns_dtype=torch.float32)
+    for p in params[1:]:
+        p.grad = torch.ones_like(p)
+    params[0].grad = torch.ones_like(params[0]) if rank == 0 else None  # missing on rank 1 only
+    optimizer.step()
+    strategy = optimizer._strategy[1]
+    flags = strategy.agree([rank == 0, rank == 1, False], torch.device("cpu"))
+    torch.save({"reduced": reduced, "flags": flags, "sent": optimizer.last_exchange_bytes,
+                "buffer": optimizer.state[params[0]]["momentum_buffer"].clone()}, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    os._exit(0)  # as _sharded_worker: no interpreter teardown
+
+
+@pytest.mark.distributed
+def test_a_device_only_backend_agrees_on_a_gloo_group_of_cpu_tensors(tmp_path):
+    mp.spawn(_agreement_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        # Two agreements (the step's and the direct call), each a CPU tensor on a group of its own.
+        assert r["reduced"] == [("cpu", False), ("cpu", False)]
+        assert r["flags"] == [True, True, False]
+        assert r["sent"] > 0
+    # The parameter that only rank 0 had a gradient for was stepped on both (rank 1 with zeros).
+    assert ranks[0]["buffer"].abs().sum() > 0 and ranks[1]["buffer"].abs().sum() == 0
 
 
 def test_orthogonalising_a_shard_is_not_orthogonalising_the_matrix():

@@ -74,10 +74,52 @@ def sharded_world(params: Sequence[Tensor]) -> World | None:
 
 
 def any_rank(flags: list[bool], device: torch.device, group: dist.ProcessGroup | None = None) -> list[bool]:
-    """Element-wise OR of ``flags`` over all ranks of ``group`` (one small all-reduce)."""
+    """Element-wise OR of ``flags`` over all ranks of ``group`` (one small all-reduce of a tensor on ``device``;
+    reading it back waits for that device: on an accelerator, for everything queued before it)."""
     tensor = torch.tensor(flags, dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return [bool(x) for x in tensor.tolist()]
+
+
+class Agreement(NamedTuple):
+    """Where the ranks of a world agree on host-side facts (which parameters have a gradient, `any_rank`)."""
+
+    #: The process group of the all-reduce.
+    group: dist.ProcessGroup | None
+    #: The device of the all-reduced tensor: the CPU (no device sync), or ``None``: the parameters' device.
+    device: torch.device | None
+
+
+#: Backends that all-reduce CPU tensors themselves (a ``cpu:<backend>`` part of a multi-device backend too).
+_HOST_BACKENDS = ("gloo", "mpi")
+
+
+def agreement_path(backend: str, spans_world: bool) -> str:
+    """How ranks of a group with this ``backend`` agree on flags, the device left alone where possible:
+
+    - ``"cpu"``: a CPU tensor on the group itself (gloo, or a backend with a CPU part such as
+      ``cpu:gloo,cuda:nccl``);
+    - ``"gloo"``: a CPU tensor on a gloo group over the same ranks, created once: only for a group that
+      spans the whole default group (``spans_world``), since creating a group is collective over every rank;
+    - ``"device"``: a tensor on the parameters' device (a subgroup under a device-only backend such as NCCL:
+      one device sync per step, the path of every world before this choice existed).
+    """
+    parts = [part.strip() for part in backend.lower().split(",")]
+    if any(part in _HOST_BACKENDS or part.startswith("cpu:") for part in parts):
+        return "cpu"
+    return "gloo" if spans_world else "device"
+
+
+def make_agreement(group: dist.ProcessGroup | None) -> Agreement:
+    """The `Agreement` of a world's process group (see `agreement_path`). Creates a process group on the
+    ``"gloo"`` path, so every rank of the default group must call it, at the same point (Muon does at its
+    first step, when it chooses its strategy)."""
+    path = agreement_path(str(dist.get_backend(group)), dist.get_world_size(group) == dist.get_world_size())
+    if path == "cpu":
+        return Agreement(group, torch.device("cpu"))
+    if path == "gloo":
+        return Agreement(dist.new_group(backend="gloo"), torch.device("cpu"))
+    return Agreement(group, None)
 
 
 def assign_owners(costs: Sequence[float], world_size: int) -> list[int]:

@@ -26,10 +26,13 @@ from torch import Tensor
 
 from lightning_muon.optim import _update
 from lightning_muon.optim._collectives import (
+    Agreement,
     World,
     all_gather_results,
+    any_rank,
     gather_to_owners,
     is_dtensor,
+    make_agreement,
     replicated_world,
     scatter_from_owners,
     sharded_world,
@@ -43,6 +46,8 @@ class LocalStep:
 
     #: Ranks that must agree on which parameters have gradients (``None``: no other rank takes part).
     world: World | None = None
+    #: Where they agree (`agree`): on a CPU tensor wherever the backend allows, so no device sync.
+    agreement: Agreement | None = None
     #: Sharded matrices are orthogonalised one at a time, each gathered whole.
     whole_dtensors = True
     #: Bytes this rank sent in the last step's exchanges.
@@ -50,6 +55,14 @@ class LocalStep:
     #: Every parameter needs a momentum buffer from the first step on (DTensor parameters: a distributed
     #: checkpoint of FSDP2 resumes only when it has a state for every parameter).
     complete_state = False
+
+    def agree(self, flags: list[bool], device: torch.device) -> list[bool]:
+        """``flags`` (one per parameter: has it a gradient?) ORed over the world's ranks, so that every rank
+        builds the same buckets; ``flags`` itself without a world. ``device``: the parameters' device, used only
+        where the backend cannot all-reduce a CPU tensor (see `lightning_muon.optim._collectives.agreement_path`)."""
+        if self.agreement is None:
+            return flags
+        return any_rank(flags, self.agreement.device or device, self.agreement.group)
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
         """Momentum, Newton-Schulz and apply for every bucket; the diagnostics of the chosen matrices."""
@@ -72,6 +85,7 @@ class ReplicatedStep(LocalStep):
 
     def __init__(self, world: World) -> None:
         self.world = world
+        self.agreement = make_agreement(world.group)
         # Reused between steps: allocating and faulting in a copy of all updates every step measured
         # ~20% of a split step.
         self._buffers: dict = {}
@@ -113,6 +127,7 @@ class ShardedStep(LocalStep):
 
     def __init__(self, world: World) -> None:
         self.world = world
+        self.agreement = make_agreement(world.group)
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
         assert self.world is not None

@@ -33,7 +33,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_muon.optim import _update
-from lightning_muon.optim._collectives import any_rank
 from lightning_muon.optim._strategies import LocalStep, choose_strategy
 from lightning_muon.optim._update import ADJUST_LR_FNS, Bucket, Chooser, ParamDiagnostics, adjust_lr
 from lightning_muon.optim.newton_schulz import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
@@ -283,7 +282,7 @@ class Muon(Optimizer):
         has_grad = [p.grad is not None for p in every]
         if strategy.world is not None and every:
             # Every rank must build the same buckets: a gradient missing on one rank is zero there.
-            has_grad = any_rank(has_grad, every[0].device, strategy.world.group)
+            has_grad = strategy.agree(has_grad, every[0].device)
         if strategy.complete_state:  # a zero buffer steps exactly as a fresh one when a gradient comes
             for p in every:
                 self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
