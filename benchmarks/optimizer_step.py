@@ -6,16 +6,21 @@ Two sets of hidden matrices (``nn.Linear`` weight shapes, ``out x in``):
   (MLP in), 768x3072 (MLP out): 85M parameters;
 - ``width-128``: 4 layers of the same blocks at width 128 (the ``char_gpt``
   example's default shapes);
+- ``resnet18-conv``: ResNet-18's conv kernels after the stem (``out x in x k x k``,
+  orthogonalised as ``out x in*k*k``: 1:9 for the 3x3 ones); ``torch.optim.Muon``
+  takes 2D parameters only, so it gets the same kernels flattened;
 - ``24x2048`` (accelerators): 24 layers at width 2048, 1.2B parameters.
 
 Each optimizer steps on the same random gradients; the table reports the
-median step time, the ratio ours/torch, and the step against its physical
-limit: the Newton-Schulz FLOPs over the machine's matmul peak measured in the
-same run (a 2048^3 matmul in the NS dtype on CPU, 8192^3 on an accelerator),
-as a share of the peak and as a multiple of that shortest possible time. bf16
-and fp32 Newton-Schulz are both measured: bf16 is the default (fast where the
-CPU has bf16 matmuls, e.g. AVX512-BF16/AMX), fp32 is the choice on CPUs
-without them.
+median step time, the ratio ours/torch, the step against its physical limit
+(the Newton-Schulz FLOPs of the path it takes over the machine's matmul peak
+measured in the same run: a 2048^3 matmul in the NS dtype on CPU, 8192^3 on an
+accelerator), and how far from orthogonal the first update is (the mean
+orthogonality error over the matrices, the quintic's band is ~0.3-0.45 on
+random gradients). Our rows: the default (Gram Newton-Schulz on matrices at
+least `DEFAULT_GRAM_ASPECT` times longer than wide), Gram off
+(``ns_gram_aspect=None``), Polar Express coefficients, and fp32 Newton-Schulz
+(the choice on CPUs without bf16 matmuls).
 
     python benchmarks/optimizer_step.py            # gpt2-small and width-128
     python benchmarks/optimizer_step.py --quick    # width-128 only, a few seconds
@@ -28,6 +33,7 @@ Prints the table; with ``--write`` also writes ``benchmarks/results/optimizer_st
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -37,15 +43,26 @@ from rich.progress import Progress
 from rich.table import Table
 
 import lightning_muon
-from lightning_muon.optim.newton_schulz import ns_flops
+from lightning_muon.optim._update import ns_dtype, preview_update, uses_gram
+from lightning_muon.optim.newton_schulz import ns_flops, orthogonality_error
 
 import _common
 import _report
 
+
+def resnet18_kernels() -> list[tuple[int, ...]]:
+    """ResNet-18's conv kernel shapes after the stem (which routing leaves on AdamW), downsample 1x1s included."""
+    shapes: list[tuple[int, ...]] = [(64, 64, 3, 3)] * 4
+    for width in (128, 256, 512):
+        shapes += [(width, width // 2, 3, 3)] + [(width, width, 3, 3)] * 3 + [(width, width // 2, 1, 1)]
+    return shapes
+
+
 MODELS = {
-    "gpt2-small": (12, 768),
-    "width-128": (4, 128),
-    "24x2048": (24, 2048),
+    "gpt2-small": lambda: _common.hidden_shapes(12, 768),
+    "width-128": lambda: _common.hidden_shapes(4, 128),
+    "resnet18-conv": resnet18_kernels,
+    "24x2048": lambda: _common.hidden_shapes(24, 2048),
 }
 #: Where the step runs (``--device``); timings synchronise it.
 DEVICE = torch.device("cpu")
@@ -70,12 +87,46 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 _MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}
-FACTORIES: dict[str, Callable[[list], torch.optim.Optimizer]] = {
-    "lightning_muon.Muon (bf16 NS)": lambda params: lightning_muon.Muon(params, **_MUON),
-    "torch.optim.Muon (bf16 NS)": lambda params: torch.optim.Muon(params, **_MUON),
-    "lightning_muon.Muon (fp32 NS)": lambda params: lightning_muon.Muon(params, ns_dtype=torch.float32, **_MUON),
-    "torch.optim.AdamW (fused)": lambda params: torch.optim.AdamW(params, lr=3e-4, fused=True),
+#: Our variants: label -> extra Muon arguments.
+OURS = {
+    "ours (bf16)": {},
+    "ours (bf16, Gram off)": {"ns_gram_aspect": None},
+    "ours (bf16, Polar Express)": {"ns_coefficients": "polar_express"},
+    "ours (fp32)": {"ns_dtype": torch.float32},
 }
+TORCH_MUON = "torch.optim.Muon (bf16)"
+ADAMW = "torch.optim.AdamW (fused)"
+
+
+def build(label: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if label == TORCH_MUON:
+        return torch.optim.Muon(params, **_MUON)
+    if label == ADAMW:
+        return torch.optim.AdamW(params, lr=3e-4, fused=True)
+    return lightning_muon.Muon(params, **_MUON, **OURS[label])
+
+
+def ns_cost(optimizer: torch.optim.Optimizer, shapes: list[tuple[int, ...]]) -> int:
+    """Newton-Schulz FLOPs of one step on the path each matrix takes (Gram or not)."""
+    group = optimizer.param_groups[0]
+    total = 0
+    for shape in shapes:
+        m, n = shape[0], math.prod(shape[1:])
+        total += ns_flops(m, n, group["ns_steps"], gram=uses_gram(group, (m, n)), dtype=ns_dtype(group))
+    return total
+
+
+def first_update_error(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> float:
+    """Mean orthogonality error of the first step's updates (ours report it; torch's is recomputed the same way
+    by `preview_update`, the monitor's reading of torch's groups). Runs the warm-up step."""
+    if isinstance(optimizer, lightning_muon.Muon):
+        optimizer.record_diagnostics()
+        optimizer.step()
+        return statistics.mean(float(d.orthogonality_error) for d in optimizer.diagnostics)
+    group = optimizer.param_groups[0]
+    errors = [float(orthogonality_error(preview_update(group, p.grad, None))) for p in params]
+    optimizer.step()
+    return statistics.mean(errors)
 
 
 def bench_model(name: str, repeats: int, progress: Progress) -> list[dict]:
@@ -83,21 +134,24 @@ def bench_model(name: str, repeats: int, progress: Progress) -> list[dict]:
 
     The optimizers take turns step by step, so a slow spell of the machine hits all of them alike.
     """
-    layers, width = MODELS[name]
-    shapes = _common.hidden_shapes(layers, width)
+    shapes = MODELS[name]()
     torch.manual_seed(0)
     initial = [torch.randn(s, device=DEVICE) * 0.02 for s in shapes]
     grads = [torch.randn(s, device=DEVICE) for s in shapes]
-    flops = sum(ns_flops(*s) for s in shapes)
-    steps = {}
-    for label in FACTORIES:
+    steps, flops, errors = {}, {}, {}
+    for label in [*OURS, TORCH_MUON, ADAMW]:
         if DEVICE.type != "cpu" and "fp32" in label:
             continue  # bf16 Newton-Schulz is the choice on accelerators
-        params = [torch.nn.Parameter(x.clone()) for x in initial]
+        flat = label == TORCH_MUON  # torch.optim.Muon takes 2D parameters only: conv kernels flattened
+        params = [torch.nn.Parameter((x.flatten(1) if flat else x).clone()) for x in initial]
         for p, g in zip(params, grads):
-            p.grad = g.clone()
-        optimizer = FACTORIES[label](params)
-        optimizer.step()  # warm-up: allocates the state
+            p.grad = (g.flatten(1) if flat else g).clone()
+        optimizer = build(label, params)
+        if label != ADAMW:
+            flops[label] = ns_cost(optimizer, shapes)
+            errors[label] = first_update_error(optimizer, params)  # also the warm-up step
+        else:
+            optimizer.step()  # warm-up: allocates the state
         steps[label] = optimizer.step
     times: dict[str, list[float]] = {label: [] for label in steps}
     task = progress.add_task(name, total=repeats)
@@ -106,28 +160,32 @@ def bench_model(name: str, repeats: int, progress: Progress) -> list[dict]:
             times[label].append(timed(step))
         progress.advance(task)
     return [
-        {"model": name, "optimizer": label, "seconds": statistics.median(t), "ns_flops": flops}
+        {"model": name, "optimizer": label, "seconds": statistics.median(t), "ns_flops": flops.get(label),
+         "error": errors.get(label)}
         for label, t in times.items()
     ]
 
 
 def render(rows: list[dict], peaks: dict[torch.dtype, float]) -> Table:
     table = Table(title=f"optimizer step on {DEVICE.type} (median)")
-    columns = ("model", "optimizer", "step ms", "ours / torch.optim.Muon", "NS % of matmul peak", "x the NS limit")
+    columns = ("model", "optimizer", "step ms", "ours / torch.optim.Muon", "NS GFLOP", "NS % of matmul peak",
+               "x the NS limit", "orthogonality error")
     for column in columns:
         table.add_column(column, justify="left" if column in ("model", "optimizer") else "right")
     for row in rows:
         torch_row = next(
             r for r in rows if r["model"] == row["model"] and r["optimizer"].startswith("torch.optim.Muon")
         )
-        ratio = f"{row['seconds'] / torch_row['seconds']:.2f}" if row["optimizer"].startswith("lightning_muon") else ""
-        if "Muon" in row["optimizer"]:
+        ratio = f"{row['seconds'] / torch_row['seconds']:.2f}" if row["optimizer"].startswith("ours") else ""
+        if row["ns_flops"] is not None:
             peak = peaks[torch.float32 if "fp32" in row["optimizer"] else torch.bfloat16]
             limit = row["ns_flops"] / peak  # seconds of Newton-Schulz alone at the peak: the shortest step
             share, multiple = f"{100 * limit / row['seconds']:.0f}%", f"{row['seconds'] / limit:.2f}"
+            gflop, error = f"{row['ns_flops'] / 1e9:.2f}", f"{row['error']:.3f}"
         else:
-            share = multiple = ""
-        table.add_row(row["model"], row["optimizer"], f"{1e3 * row['seconds']:.2f}", ratio, share, multiple)
+            share = multiple = gflop = error = ""
+        table.add_row(row["model"], row["optimizer"], f"{1e3 * row['seconds']:.2f}", ratio, gflop, share, multiple,
+                      error)
     return table
 
 
@@ -135,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Optimizer step time, ours against torch.optim.Muon and AdamW.")
     parser.add_argument("--quick", action="store_true", help="width-128 only")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=None,
-                        help="matrix sets to run (default: gpt2-small width-128)")
+                        help="matrix sets to run (default: gpt2-small width-128 resnet18-conv)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or an accelerator such as cuda")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per optimizer (median reported)")
     parser.add_argument("--write", action="store_true",
@@ -144,14 +202,14 @@ def main(argv: list[str] | None = None) -> None:
 
     global DEVICE
     DEVICE = torch.device(args.device)
-    models = args.models or (["width-128"] if args.quick else ["gpt2-small", "width-128"])
-    console = _common.console(140)
+    models = args.models or (["width-128"] if args.quick else ["gpt2-small", "width-128", "resnet18-conv"])
+    console = _common.console(170)
     n = 2048 if DEVICE.type == "cpu" else 8192
     peaks = {dtype: matmul_peak(dtype, n) for dtype in (torch.bfloat16, torch.float32)}
     rows: list[dict] = []
     with Progress(console=console, transient=True) as progress:
         for name in models:
-            repeats = args.repeats or (11 if name == "gpt2-small" else 50)
+            repeats = args.repeats or (11 if name == "gpt2-small" else 50 if name == "width-128" else 21)
             rows += bench_model(name, repeats, progress)
     table = render(rows, peaks)
     console.print(table)
@@ -163,8 +221,10 @@ def main(argv: list[str] | None = None) -> None:
     console.print(details)
     if args.write:
         notes = (
-            "The NS limit is the Newton-Schulz FLOPs of one step over the measured matmul peak in the NS dtype: "
-            "the step if Newton-Schulz ran at the peak and everything else took no time.\n"
+            "The NS limit is the Newton-Schulz FLOPs of one step (on the path each row takes: Gram or not) over "
+            "the measured matmul peak in the NS dtype: the step if Newton-Schulz ran at the peak and everything "
+            "else took no time. The orthogonality error is the mean over matrices of ||O O^T - I||_F / sqrt(r) "
+            "of the first update, on random gradients. torch.optim.Muon gets conv kernels flattened to 2D.\n"
         )
         name = "optimizer_step" if DEVICE.type == "cpu" else f"optimizer_step_{DEVICE.type}"
         title = "Optimizer step" + ("" if DEVICE.type == "cpu" else f" ({device})")

@@ -13,6 +13,8 @@ from torch.optim._muon import _adjust_lr as torch_adjust_lr
 
 import lightning_muon.optim._update as muon_module
 from lightning_muon import Muon, ParamDiagnostics, adjust_lr, orthogonality_error, zeropower_via_newtonschulz
+from lightning_muon.optim.muon import DEFAULT_GRAM_ASPECT
+from lightning_muon.optim.newton_schulz import gram_newton_schulz
 
 #: tall, wide, square, and repeats of the same shapes (which the batched path stacks).
 SHAPES = [(24, 16), (16, 24), (20, 20), (24, 16), (24, 16), (16, 24), (24, 16)]
@@ -137,11 +139,11 @@ def test_tensor_lr_is_bit_identical_to_torch():
 @pytest.mark.parametrize(
     ("ns_batch_bytes", "expected_calls"),
     [
-        # the CPU default (1 MiB) stacks every same-shape matrix
-        (None, {(4, 24, 16): 1, (2, 16, 24): 1, (20, 20): 1}),
-        # room for 3 matrices of 768 bytes: 24x16 x4 -> 3 + 1, 16x24 x2 -> 2; 20x20 is 800 bytes -> 2 fit, 1 exists
-        (3 * BYTES_24x16, {(3, 24, 16): 1, (24, 16): 1, (2, 16, 24): 1, (20, 20): 1}),
-        # room for 2
+        # the CPU default (1 MiB) stacks every same-shape matrix, and the 24x16 ones transposed with the 16x24 ones
+        (None, {(6, 16, 24): 1, (20, 20): 1}),
+        # room for 3 matrices of 768 bytes: 24x16 x4 -> 3 + 1, and the 1 joins 16x24 x2; 20x20 is 800 bytes, 1 exists
+        (3 * BYTES_24x16, {(3, 24, 16): 1, (3, 16, 24): 1, (20, 20): 1}),
+        # room for 2: no bucket has room for its transposed twin
         (2 * BYTES_24x16, {(2, 24, 16): 2, (2, 16, 24): 1, (20, 20): 1}),
     ],
     ids=["default", "stacks-of-3", "stacks-of-2"],
@@ -165,6 +167,70 @@ def test_batched_matches_torch_within_tolerance(adjust_lr_fn, nesterov, ns_batch
     assert _all_equal(_buffers(our_opt, ours), _buffers(torch_opt, theirs))
     for p, q in zip(ours, theirs):
         torch.testing.assert_close(p, q, atol=BATCHED_PARAM_ATOL, rtol=0)
+
+
+# ------------------------------------------------- Gram Newton-Schulz, Polar Express
+
+#: 4:1 and 9:1 matrices (Gram Newton-Schulz by default), a stack of them, and a square one (never Gram).
+GRAM_SHAPES = [(64, 16), (16, 64), (64, 16), (8, 8, 3, 3), (20, 20)]
+
+
+def test_rectangular_matrices_go_through_gram_newton_schulz_unless_on_the_exact_path(monkeypatch):
+    calls: list[tuple[int, ...]] = []
+    real = muon_module.gram_newton_schulz
+
+    def spy(G: torch.Tensor, **kwargs):
+        calls.append(tuple(G.shape))
+        return real(G, **kwargs)
+
+    monkeypatch.setattr(muon_module, "gram_newton_schulz", spy)
+    params = _params(GRAM_SHAPES)
+    _train(Muon(params, lr=LR), params, _grads(GRAM_SHAPES, 1))
+    # the two 64x16 join the 16x64 transposed; 8 x 72 is 9:1; 20 x 20 is not
+    assert sorted(calls) == [(3, 16, 64), (8, 72)]
+    calls.clear()
+    _train(Muon(params, lr=LR, ns_gram_aspect=None), params, _grads(GRAM_SHAPES, 1))
+    _train(Muon(params, lr=LR, ns_batch_bytes=0), params, _grads(GRAM_SHAPES, 1))
+    assert calls == []
+
+
+def test_gram_steps_match_the_standard_iteration_and_the_exact_path_stays_torchs():
+    grads = _grads(GRAM_SHAPES, STEPS)
+    gram, standard, fp32 = _params(GRAM_SHAPES), _params(GRAM_SHAPES), _params(GRAM_SHAPES)
+    _train(Muon(gram, lr=LR, weight_decay=0.1), gram, grads)
+    _train(Muon(standard, lr=LR, weight_decay=0.1, ns_gram_aspect=None), standard, grads)
+    _train(Muon(fp32, lr=LR, weight_decay=0.1, ns_gram_aspect=None, ns_dtype=torch.float32), fp32, grads)
+    flat = [s for s in GRAM_SHAPES if len(s) == 2]  # torch.optim.Muon takes 2D parameters only
+    exact, theirs = _params(flat), _params(flat)
+    flat_grads = [[g for g in step if g.ndim == 2] for step in grads]
+    _train(Muon(exact, lr=LR, weight_decay=0.1, ns_batch_bytes=0), exact, flat_grads)
+    _train(torch.optim.Muon(theirs, lr=LR, weight_decay=0.1), theirs, flat_grads)
+    assert _all_equal(exact, theirs)  # ns_batch_bytes=0: torch's kernels, bit for bit, 4:1 shapes included
+    for p, q, r in zip(gram, standard, fp32):
+        # Both bf16 paths drift from the float32 iteration by rounding; Gram rounds its r x r products more
+        # (measured after 20 steps over 6 seeds: gram 0.8-3.6x the standard path's largest difference, at most
+        # 4.7e-3 against 1.3e-3). A wrong lr, matrix or missing restart is off by more than 1e-2.
+        assert (p - r).abs().max() <= 4 * (q - r).abs().max() + 1e-3
+    assert not _all_equal(gram, standard)  # and it did take the other path
+
+
+def test_polar_express_steps_with_its_schedule_and_survives_a_state_dict():
+    shapes = DISTINCT_SHAPES
+    params = _params(shapes)
+    grads = _grads(shapes, 1)[0]
+    opt = Muon(params, lr=LR, weight_decay=0.0, momentum=0.0, nesterov=False, ns_coefficients="polar_express",
+               ns_batch_bytes=0)
+    for p, g in zip(params, grads):
+        p.grad = g
+    before = [p.detach().clone() for p in params]
+    opt.step()
+    for p, b, g in zip(params, before, grads):
+        O = zeropower_via_newtonschulz(g.reshape(g.shape[0], -1), ns_coefficients="polar_express")
+        assert torch.equal(p.detach(), b.add(O.reshape(p.shape), alpha=-opt.effective_lr(p)))
+    assert opt.param_groups[0]["ns_coefficients"] == "polar_express"
+    other = Muon(_clone(params), lr=LR)
+    other.load_state_dict(_saved_and_loaded(opt))
+    assert other.param_groups[0]["ns_coefficients"] == "polar_express"
 
 
 # ------------------------------------------------------------- lr adjustment
@@ -465,7 +531,10 @@ def test_diagnostics_describe_the_update(nesterov, ns_batch_bytes):
         # The first update, computed independently with torch's lerp semantics.
         buf = torch.zeros_like(g).lerp_(g, 1 - momentum)
         update = g.lerp(buf, momentum) if nesterov else buf
-        O = zeropower_via_newtonschulz(update.reshape(p.shape[0], -1))
+        matrix = update.reshape(p.shape[0], -1)
+        # 8 x 45 is over the Gram aspect (except on the exact path): the optimizer runs Gram Newton-Schulz there
+        gram = max(matrix.shape) >= DEFAULT_GRAM_ASPECT * min(matrix.shape) and ns_batch_bytes != 0
+        O = (gram_newton_schulz if gram else zeropower_via_newtonschulz)(matrix)
         assert d.orthogonality_error.shape == () and d.orthogonality_error.dtype == torch.float32
         assert d.update_rms.shape == () and d.update_rms.dtype == torch.float32
         torch.testing.assert_close(d.orthogonality_error, orthogonality_error(O), atol=2e-3, rtol=0)
@@ -540,6 +609,9 @@ CONSTRUCTOR_ERRORS = [
     ({"ns_steps": 2.0}, ValueError, r"Invalid ns_steps: 2\.0"),
     ({"ns_steps": True}, ValueError, r"Invalid ns_steps: True"),
     ({"ns_coefficients": (1, 2)}, ValueError, r"Invalid ns_coefficients: \(1, 2\)"),
+    ({"ns_coefficients": "polar"}, ValueError, r"Invalid ns_coefficients: 'polar' .*\['polar_express'\]"),
+    ({"ns_gram_aspect": 0.5}, ValueError, r"Invalid ns_gram_aspect: 0\.5 \(must be None or a number >= 1\)"),
+    ({"ns_gram_aspect": "4"}, ValueError, r"Invalid ns_gram_aspect: '4'"),
     ({"ns_dtype": torch.int32}, ValueError, r"Invalid ns_dtype: torch\.int32"),
     ({"ns_dtype": "bogus16"}, ValueError, r"Invalid ns_dtype: 'bogus16'"),
     ({"ns_dtype": "int32"}, ValueError, r"Invalid ns_dtype: torch.int32"),

@@ -13,14 +13,19 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
 
 from lightning_muon.optim._collectives import is_dtensor
-from lightning_muon.optim.newton_schulz import ns_flops, orthogonality_error, zeropower_via_newtonschulz
+from lightning_muon.optim.newton_schulz import (
+    gram_newton_schulz,
+    ns_flops,
+    orthogonality_error,
+    zeropower_via_newtonschulz,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -134,12 +139,33 @@ def ns_dtype(group: dict[str, Any]) -> torch.dtype:
 
 def _ns_settings(group: dict[str, Any]) -> dict[str, Any]:
     """`zeropower_via_newtonschulz`'s keyword arguments for a param group."""
+    coefficients = group["ns_coefficients"]
     return {
-        "ns_coefficients": group["ns_coefficients"],
+        "ns_coefficients": coefficients if isinstance(coefficients, str) else tuple(coefficients),
         "ns_steps": group["ns_steps"],
         "eps": group["eps"],
         "dtype": ns_dtype(group),
     }
+
+
+def uses_gram(group: dict[str, Any], shape: tuple[int, int]) -> bool:
+    """Whether a group orthogonalises ``m x n`` matrices by `gram_newton_schulz`: its long side is at least
+    ``ns_gram_aspect`` times its short side (``None``: never), and the group is not on the exact path
+    (``ns_batch_bytes == 0``, one matrix at a time as ``torch.optim.Muon``)."""
+    aspect = group.get("ns_gram_aspect")
+    if aspect is None or group.get("ns_batch_bytes") == 0:
+        return False
+    m, n = shape
+    return max(m, n) >= aspect * min(m, n)
+
+
+def newton_schulz(group: dict[str, Any], matrices: Tensor) -> Tensor:
+    """Orthogonalise one ``(m, n)`` matrix or a ``(k, m, n)`` stack with a param group's settings: Gram
+    Newton-Schulz where `uses_gram`, else the standard iteration (a lone 2D matrix: torch's exact kernels)."""
+    shape = (matrices.size(-2), matrices.size(-1))
+    if uses_gram(group, shape):
+        return gram_newton_schulz(matrices, **_ns_settings(group))
+    return zeropower_via_newtonschulz(matrices, **_ns_settings(group))
 
 
 class ParamDiagnostics(NamedTuple):
@@ -182,7 +208,9 @@ class Bucket(NamedTuple):
     @property
     def flops(self) -> int:
         """Newton-Schulz FLOPs of the whole bucket (what owner assignment balances)."""
-        return ns_flops(*self.shape) * len(self.params) * self.per_param
+        gram = uses_gram(self.group, self.shape)
+        flops = ns_flops(*self.shape, self.group["ns_steps"], gram=gram, dtype=ns_dtype(self.group))
+        return flops * len(self.params) * self.per_param
 
     @property
     def exchange_layout(self) -> tuple[int, tuple[int, int], torch.dtype]:
@@ -198,6 +226,12 @@ class Bucket(NamedTuple):
 
 def _locals(tensors: list[Tensor]) -> list[Tensor]:
     return [cast("DTensor", t).to_local() for t in tensors]
+
+
+def batch_cap(group: dict[str, Any], device: torch.device) -> int:
+    """The most bytes of one batched Newton-Schulz call for a group's matrices on ``device``."""
+    cap = group["ns_batch_bytes"]
+    return _DEFAULT_BATCH_BYTES.get(device.type, _DEFAULT_BATCH_BYTES_ACCELERATOR) if cap is None else cap
 
 
 def bucket_indices(
@@ -225,10 +259,7 @@ def bucket_indices(
     buckets: list[list[int]] = []
     itemsize = ns_dtype(group).itemsize
     for (shape, _, _, _, device, *_), ks in same.items():
-        cap = group["ns_batch_bytes"]
-        if cap is None:
-            cap = _DEFAULT_BATCH_BYTES.get(device.type, _DEFAULT_BATCH_BYTES_ACCELERATOR)
-        per_call = max(1, cap // (math.prod(shape) * itemsize))
+        per_call = max(1, batch_cap(group, device) // (math.prod(shape) * itemsize))
         buckets.extend(ks[i : i + per_call] for i in range(0, len(ks), per_call))
     return buckets
 
@@ -305,7 +336,7 @@ def orthogonalise(bucket: Bucket, updates: list[Tensor]) -> list[Tensor]:
     """Newton-Schulz of a bucket's updates, one matrix at a time on its own: one batched call for several
     matrices, the 2D path (bit-identical to ``torch.optim.Muon``) for a lone one. One result per update:
     ``(m, n)``, or ``(matrices, m, n)`` for a stack."""
-    settings = _ns_settings(bucket.group)
+    group = bucket.group
     matrix = bucket.shape if bucket.per_param == 1 else (-1, *bucket.shape)
     if len(updates) == 1 and is_dtensor(updates[0]):
         # Newton-Schulz needs the whole matrix, never a shard. Gather it, orthogonalise, and keep this
@@ -314,24 +345,74 @@ def orthogonalise(bucket: Bucket, updates: list[Tensor]) -> list[Tensor]:
 
         update = updates[0]
         assert isinstance(update, DTensor)
-        full = zeropower_via_newtonschulz(update.full_tensor().reshape(matrix), **settings)
+        full = newton_schulz(group, update.full_tensor().reshape(matrix))
         shard = distribute_tensor(full.reshape(update.shape), update.device_mesh, update.placements, src_data_rank=None)
         return [shard]
     if len(updates) == 1:
-        return [zeropower_via_newtonschulz(updates[0].reshape(matrix), **settings)]
+        return [newton_schulz(group, updates[0].reshape(matrix))]
     if bucket.per_param == 1:
-        stack = torch.stack([u.reshape(matrix) for u in updates])
-        return list(zeropower_via_newtonschulz(stack, **settings).unbind(0))
+        # One pass casts into the stack (torch.stack, then a cast, measured a second full copy).
+        stack = torch.empty(len(updates), *bucket.shape, dtype=ns_dtype(group), device=updates[0].device)
+        torch._foreach_copy_(list(stack.unbind(0)), [u.reshape(matrix) for u in updates])
+        return list(newton_schulz(group, stack).unbind(0))
     stacks = torch.cat([u.reshape(matrix) for u in updates])
-    orthogonal = zeropower_via_newtonschulz(stacks, **settings)
+    orthogonal = newton_schulz(group, stacks)
     return list(orthogonal.reshape(len(updates), bucket.per_param, *bucket.shape).unbind(0))
+
+
+def ns_batches(buckets: Sequence[Bucket]) -> list[list[int]]:
+    """Indices of the buckets orthogonalised in one Newton-Schulz call: a bucket of ``m x n`` matrices with
+    one of ``n x m`` ones (same group, device, one matrix per parameter, plain tensors) while their bytes
+    fit the group's batch cap. Newton-Schulz works on the wide orientation anyway, so the tall ones join
+    transposed; one call instead of two (fewer, larger matmuls). Order kept; never on the exact path."""
+    batches: list[list[int]] = []
+    open_batches: dict[tuple, tuple[list[int], int]] = {}
+    for j, bucket in enumerate(buckets):
+        group, (m, n) = bucket.group, bucket.shape
+        if bucket.per_param != 1 or group["ns_batch_bytes"] == 0 or is_dtensor(bucket.params[0]):
+            batches.append([j])
+            continue
+        device = bucket.params[0].device
+        key = (id(group), min(m, n), max(m, n), device)
+        nbytes = len(bucket.params) * m * n * ns_dtype(group).itemsize
+        if key in open_batches and open_batches[key][1] + nbytes <= batch_cap(group, device):
+            batch, used = open_batches[key]
+            batch.append(j)
+            open_batches[key] = (batch, used + nbytes)
+        else:
+            batches.append([j])
+            open_batches[key] = (batches[-1], nbytes)
+    return batches
+
+
+def orthogonalise_together(buckets: Sequence[Bucket], updates: Sequence[list[Tensor]]) -> list[list[Tensor]]:
+    """`orthogonalise` of the buckets of one `ns_batches` entry in one call; tall matrices go in transposed
+    and come back as transposed views."""
+    if len(buckets) == 1:
+        return [orthogonalise(buckets[0], updates[0])]
+    group, (m, n) = buckets[0].group, buckets[0].shape
+    wide = (min(m, n), max(m, n))
+    tall = [b.shape[0] > b.shape[1] for b in buckets]
+    sources = [
+        u.reshape(b.shape).mT if t else u.reshape(b.shape)
+        for b, us, t in zip(buckets, updates, tall, strict=True)
+        for u in us
+    ]
+    stack = torch.empty(len(sources), *wide, dtype=ns_dtype(group), device=sources[0].device)
+    torch._foreach_copy_(list(stack.unbind(0)), sources)
+    orthogonal = newton_schulz(group, stack).unbind(0)
+    results, start = [], 0
+    for us, t in zip(updates, tall, strict=True):
+        results.append([o.mT if t else o for o in orthogonal[start : start + len(us)]])
+        start += len(us)
+    return results
 
 
 def orthogonalise_stack(group: dict[str, Any], stack: Tensor) -> Tensor:
     """Newton-Schulz of a ``(k, m, n)`` stack; a lone matrix takes the 2D path, as on one process."""
     if len(stack) == 1:
-        return zeropower_via_newtonschulz(stack[0], **_ns_settings(group)).unsqueeze(0)
-    return zeropower_via_newtonschulz(stack, **_ns_settings(group))
+        return newton_schulz(group, stack[0]).unsqueeze(0)
+    return newton_schulz(group, stack)
 
 
 def apply(bucket: Bucket, orthogonal: list[Tensor]) -> None:

@@ -35,9 +35,23 @@ from torch.optim import Optimizer
 from lightning_muon.optim import _update
 from lightning_muon.optim._strategies import LocalStep, choose_strategy
 from lightning_muon.optim._update import ADJUST_LR_FNS, Bucket, Chooser, ParamDiagnostics, adjust_lr
-from lightning_muon.optim.newton_schulz import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
+from lightning_muon.optim.newton_schulz import (
+    DEFAULT_EPS,
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_STEPS,
+    NS_COEFFICIENT_SCHEDULES,
+)
 
-__all__ = ["ADJUST_LR_FNS", "Muon", "ParamDiagnostics", "adjust_lr"]
+__all__ = ["ADJUST_LR_FNS", "DEFAULT_GRAM_ASPECT", "Muon", "ParamDiagnostics", "adjust_lr"]
+
+#: Matrices at least this many times longer than wide go through Gram Newton-Schulz by default: measured
+#: faster from here on (benchmarks/optimizer_step.py, bf16 on CPU), while the iteration's result is the same.
+DEFAULT_GRAM_ASPECT = 4.0
+
+#: Param group keys ``torch.optim.Muon`` does not have, with the value a group saved without them gets.
+_OWN_GROUP_KEYS: dict[str, Any] = {
+    "ns_dtype": "bfloat16", "ns_batch_bytes": None, "ns_gram_aspect": DEFAULT_GRAM_ASPECT
+}
 
 
 def _checked_arguments(
@@ -46,10 +60,11 @@ def _checked_arguments(
     momentum: float,
     eps: float,
     adjust_lr_fn: str | None,
-    ns_coefficients: tuple[float, float, float],
+    ns_coefficients: tuple[float, float, float] | str,
     ns_steps: int,
     ns_dtype: torch.dtype | str,
     ns_batch_bytes: int | None,
+    ns_gram_aspect: float | None,
 ) -> torch.dtype:
     """Refuse bad constructor arguments as ``torch.optim.Muon`` does (quoting the value); the NS dtype."""
     if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -66,8 +81,18 @@ def _checked_arguments(
         raise ValueError(f"Invalid eps value: {eps} (must be >= 0)")
     if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
         raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (must be None or one of {ADJUST_LR_FNS})")
-    if len(tuple(ns_coefficients)) != 3:
+    if isinstance(ns_coefficients, str):
+        if ns_coefficients not in NS_COEFFICIENT_SCHEDULES:
+            raise ValueError(
+                f"Invalid ns_coefficients: {ns_coefficients!r} (must be three numbers (a, b, c) or one of "
+                f"{sorted(NS_COEFFICIENT_SCHEDULES)})"
+            )
+    elif len(tuple(ns_coefficients)) != 3:
         raise ValueError(f"Invalid ns_coefficients: {ns_coefficients!r} (must be three numbers (a, b, c))")
+    if ns_gram_aspect is not None and (
+        isinstance(ns_gram_aspect, bool) or not isinstance(ns_gram_aspect, int | float) or not ns_gram_aspect >= 1
+    ):
+        raise ValueError(f"Invalid ns_gram_aspect: {ns_gram_aspect!r} (must be None or a number >= 1)")
     # Stricter than torch: 0 steps would apply the normalised momentum itself, not an orthogonalised update.
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 1 <= ns_steps < 100:
         raise ValueError(f"Invalid ns_steps: {ns_steps!r} (must be an int in [1, 100); the default is 5)")
@@ -116,28 +141,28 @@ class Muon(Optimizer):
         weight_decay: decoupled weight decay, applied with the unadjusted lr (default: 0.1).
         momentum: momentum factor (default: 0.95).
         nesterov: use Nesterov momentum (default: True).
-        ns_coefficients: ``(a, b, c)`` of the quintic iteration (default: Keller Jordan's).
+        ns_coefficients: ``(a, b, c)`` of the quintic (default: Keller Jordan's), or ``"polar_express"``
+            (Amsel et al. 2025: per-iteration coefficients, singular values much closer to 1).
         eps: floor of the norm that normalises each matrix (default: 1e-7).
         ns_steps: Newton-Schulz iterations (default: 5).
         adjust_lr_fn: shape scaling of the lr, see `adjust_lr`: ``None``/``"original"``,
             ``"match_rms_adamw"``, ``"spectral"`` or ``"none"`` (default: None).
-        ns_dtype: compute dtype of Newton-Schulz (default: ``torch.bfloat16``, as
-            torch; ``torch.float32`` where bf16 matmuls are slow); a name such as
-            ``"float32"`` is accepted too.
-        ns_batch_bytes: most bytes (in ``ns_dtype``) of one batched Newton-Schulz
-            call over same-shape matrices; ``0`` orthogonalises one matrix at a
-            time, exactly as ``torch.optim.Muon``. Default ``None``: 1 MiB on
-            CPU, 256 MiB on accelerators.
-        split_ns: under DDP (an initialised process group of several ranks and
-            plain, replicated parameters) each rank orthogonalises a share of
-            the matrices, balanced by FLOPs, and the results are all-gathered
-            (one copy of the updates in ``ns_dtype``); every rank still keeps
-            every momentum buffer. Under FSDP2 (DTensor parameters sharded on
-            dim 0 over one mesh) each matrix's shards are sent to an owner rank,
-            which orthogonalises the whole matrix and sends every rank back its
-            rows; momentum stays sharded. ``False``: every rank does all the
-            work, as ``torch.optim.Muon`` (under FSDP2 every rank gathers and
-            orthogonalises every whole matrix). Newton-Schulz never runs on a shard.
+        ns_dtype: compute dtype of Newton-Schulz (default: ``torch.bfloat16``, as torch; ``torch.float32``
+            where bf16 matmuls are slow); a name such as ``"float32"`` is accepted too.
+        ns_batch_bytes: most bytes (in ``ns_dtype``) of one batched Newton-Schulz call over same-shape
+            matrices; ``0`` orthogonalises one matrix at a time, exactly as ``torch.optim.Muon``.
+            Default ``None``: 1 MiB on CPU, 256 MiB on accelerators.
+        ns_gram_aspect: matrices at least this many times longer than wide use Gram Newton-Schulz
+            (the same iteration on the small Gram matrix, fewer FLOPs); ``None``: never; never on the
+            exact path (``ns_batch_bytes=0``). Default `DEFAULT_GRAM_ASPECT`, where it measured faster.
+        split_ns: under DDP (an initialised process group of several ranks and plain, replicated
+            parameters) each rank orthogonalises a share of the matrices, balanced by FLOPs, and the
+            results are all-gathered (one copy of the updates in ``ns_dtype``); every rank still keeps
+            every momentum buffer. Under FSDP2 (DTensor parameters sharded on dim 0 over one mesh) each
+            matrix's shards are sent to an owner rank, which orthogonalises the whole matrix and sends
+            every rank back its rows; momentum stays sharded. ``False``: every rank does all the work, as
+            ``torch.optim.Muon`` (under FSDP2 every rank gathers and orthogonalises every whole matrix).
+            Newton-Schulz never runs on a shard.
     """
 
     def __init__(
@@ -147,30 +172,33 @@ class Muon(Optimizer):
         weight_decay: float = 0.1,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        ns_coefficients: tuple[float, float, float] | str = DEFAULT_NS_COEFFICIENTS,
         eps: float = DEFAULT_EPS,
         ns_steps: int = DEFAULT_NS_STEPS,
         adjust_lr_fn: str | None = None,
         *,
         ns_dtype: torch.dtype | str = torch.bfloat16,
         ns_batch_bytes: int | None = None,
+        ns_gram_aspect: float | None = DEFAULT_GRAM_ASPECT,
         split_ns: bool = True,
     ) -> None:
         ns_dtype = _checked_arguments(
-            lr, weight_decay, momentum, eps, adjust_lr_fn, ns_coefficients, ns_steps, ns_dtype, ns_batch_bytes
+            lr, weight_decay, momentum, eps, adjust_lr_fn, ns_coefficients, ns_steps, ns_dtype, ns_batch_bytes,
+            ns_gram_aspect,
         )
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
             "momentum": momentum,
             "nesterov": nesterov,
-            "ns_coefficients": tuple(ns_coefficients),
+            "ns_coefficients": ns_coefficients if isinstance(ns_coefficients, str) else tuple(ns_coefficients),
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
             # Kept by name: torch.distributed.checkpoint cannot save a torch.dtype in param groups.
             "ns_dtype": _update.dtype_name(ns_dtype),
             "ns_batch_bytes": ns_batch_bytes,
+            "ns_gram_aspect": ns_gram_aspect,
         }
         #: Split the Newton-Schulz work across ranks: under DDP each rank orthogonalises a share of the
         #: matrices (results all-gathered); under FSDP2 each matrix is orthogonalised on one owner rank.
@@ -212,13 +240,11 @@ class Muon(Optimizer):
         super().__setstate__(state)
         # A state dict saved by torch.optim.Muon has none of our extra keys: keep this optimizer's own.
         for group in self.param_groups:
-            group.setdefault("ns_dtype", self.defaults.get("ns_dtype", "bfloat16"))
-            group.setdefault("ns_batch_bytes", self.defaults.get("ns_batch_bytes"))
-        self.__dict__.setdefault("_diagnose", None)
-        self.__dict__.setdefault("split_ns", True)
-        self.__dict__.setdefault("last_exchange_bytes", 0)
-        self.__dict__.setdefault("_strategy", None)
-        self.__dict__.setdefault("diagnostics", [])
+            for key, default in _OWN_GROUP_KEYS.items():
+                group.setdefault(key, self.defaults.get(key, default))
+        attributes: dict[str, Any] = {"_diagnose": None, "split_ns": True, "last_exchange_bytes": 0, "_strategy": None}
+        for name, value in {**attributes, "diagnostics": []}.items():
+            self.__dict__.setdefault(name, value)
 
     def effective_lr(self, param: Tensor) -> float:
         """The learning rate `param` really gets: its group's ``lr`` after `adjust_lr`."""
