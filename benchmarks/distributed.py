@@ -56,7 +56,8 @@ from rich.table import Table
 import lightning_muon.optim._update as muon_module
 from lightning_muon import Muon
 from lightning_muon.optim._collectives import assign_owners
-from lightning_muon.optim._plan import Job, balance, plan_jobs
+from lightning_muon.optim._plan import Job, balance, exchange_rounds, plan_jobs, round_bytes
+from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES
 
 import _common
 import _report
@@ -121,6 +122,8 @@ def worker(rank: int, layers: int, width: int, repeats: int, init_file: str, out
 
 #: The computed split: (name, GPT layers, width, world sizes).
 PLANNED = (("GPT-2-small", 12, 768, (2, 4, 8)), ("~1B", 24, 2048, (2, 4, 8, 64)))
+#: The computed FSDP2 exchange memory: (name, GPT layers, width, world sizes).
+SHARDED = (("GPT-2-small", 12, 768, (8,)), ("~1B", 24, 2048, (8, 64)), ("~7B", 32, 4096, (8, 64)))
 
 
 def accelerator_buckets(layers: int, width: int) -> list[muon_module.Bucket]:
@@ -165,6 +168,33 @@ def plan_report() -> tuple[list[str], Table]:
                 table.add_row(name, str(world), label, str(len(jobs)), str(idle),
                               f"{shares.bytes_over_minimum:.2f}", f"{shares.flops_max_over_mean:.2f}",
                               f"{buffers / 2**30:.2f} GiB")
+    return lines, table
+
+
+def fsdp2_memory_report() -> tuple[list[str], Table]:
+    """The FSDP2 exchange buffers per rank, computed: the whole model in one exchange, buffers allocated every
+    step (before), against rounds of at most `EXCHANGE_ROUND_BYTES` per buffer through kept buffers (now)."""
+    table = Table(title="FSDP2 exchange buffers per rank, computed from the code's buckets and rounds "
+                        f"(accelerator default, bf16; round limit {EXCHANGE_ROUND_BYTES >> 20} MiB)")
+    for column in ("model", "W", "largest buffer, one exchange (before)", "rounds (now)", "largest buffer (now)",
+                   "kept between steps (now)"):
+        table.add_column(column, justify="left" if column == "model" else "right")
+    lines = []
+    for name, layers, width, worlds in SHARDED:
+        buckets = accelerator_buckets(layers, width)
+        for world in worlds:
+            before = max(round_bytes(buckets, per_bucket_jobs(buckets, world), world))
+            rounds = exchange_rounds(buckets, plan_jobs(buckets, world), world, EXCHANGE_ROUND_BYTES)
+            sizes = [round_bytes(buckets, jobs, world) for jobs in rounds]  # (whole, rows) of each round
+            largest = max(max(size) for size in sizes)
+            # Send and receive hold either side of a round; stacks the owner's whole matrices.
+            kept = 2 * largest + max(whole for whole, _ in sizes)
+            plural = "s" if len(rounds) != 1 else ""
+            lines.append(f"FSDP2 W={world} {name}: largest exchange buffer {before / 2**20:,.0f} MiB (one exchange, "
+                         f"fresh each step) -> {largest / 2**20:,.0f} MiB in {len(rounds)} round{plural} "
+                         f"({kept / 2**20:,.0f} MiB kept)")
+            table.add_row(name, str(world), f"{before / 2**20:,.0f} MiB", str(len(rounds)),
+                          f"{largest / 2**20:,.0f} MiB", f"{kept / 2**20:,.0f} MiB")
     return lines, table
 
 
@@ -226,8 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     console = _common.console(160)
     plan_lines, plan_table = plan_report()
+    memory_lines, memory_table = fsdp2_memory_report()
     if args.plan:
-        console.print("\n".join(plan_lines))
+        console.print("\n".join(plan_lines + memory_lines))
         return
     if args.agreement:
         console.print(agreement_report(args.repeats or 200))
@@ -264,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
             table.add_row(mode, *cells, f"{sent:,}", f"{sent / param_bytes:.2f}")
     console.print(table)
     console.print(plan_table)
+    console.print(memory_table)
     details = f"{_common.machine(threads=1)} per rank; {repeats} timed steps per mode (median), modes taking turns"
     console.print(details)
     if args.write:
@@ -282,10 +314,13 @@ def main(argv: list[str] | None = None) -> None:
             "lines): Muon's own buckets of the GPT hidden matrices at the accelerator default of `ns_batch_bytes` "
             "and its own owner plan, owners per parameter (now) against owners per bucket (before). The all-gather "
             "pads every rank's share to the largest, so it sends `W x max share`; the minimum is every update once. "
-            "Buffers: the send buffer and the W receive buffers DDP keeps between steps.\n"
+            "Buffers: the send buffer and the W receive buffers DDP keeps between steps. The third table is "
+            "computed too: under FSDP2 the largest exchange buffer of a rank when the whole model is exchanged at "
+            "once (owners per bucket, buffers allocated every step: before) and when the exchanges run in rounds "
+            "of at most the limit (now), through three buffers kept between steps (send, receive, stacks).\n"
         )
         path = _report.write("distributed", "Distributed Newton-Schulz", _report.command("distributed.py", argv),
-                             details, [table, plan_table], notes)
+                             details, [table, plan_table, memory_table], notes)
         console.print(f"wrote {path}")
 
 

@@ -22,9 +22,16 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_muon import Muon
 from lightning_muon.commands.cli import main
-from lightning_muon.optim import _update
+from lightning_muon.optim import _strategies, _update
 from lightning_muon.optim._collectives import agreement_path, assign_owners, is_dtensor
-from lightning_muon.optim._plan import balance, plan_jobs, sub_bucket
+from lightning_muon.optim._plan import (
+    balance,
+    exchange_rounds,
+    param_exchange_bytes,
+    plan_jobs,
+    round_bytes,
+    sub_bucket,
+)
 from lightning_muon.optim.newton_schulz import zeropower_via_newtonschulz
 
 from helpers import EndProcessGroup, MuonNet, SaveCheckpointAtEnd, SaveEveryRank, make_trainer, muon_factory
@@ -140,6 +147,28 @@ def test_the_plan_is_the_same_on_every_rank():
     assert plans[0] == plan_jobs(accelerator_buckets(shapes), 3)
 
 
+@pytest.mark.parametrize("limit", [64 << 20, 20 << 20], ids=["64MiB", "20MiB"])
+def test_fsdp2_exchanges_in_rounds_stay_within_the_limit_and_keep_every_owner_busy(limit):
+    """~1B model at 8 ranks: one exchange of the whole model needs buffers of ~1/8 of it (300 MB) per rank."""
+    buckets = accelerator_buckets(ONE_B)
+    jobs = plan_jobs(buckets, 8)
+    assert max(round_bytes(buckets, jobs, 8)) > 250 << 20
+    rounds = exchange_rounds(buckets, jobs, 8, limit)
+    assert len(rounds) > 1
+    sizes = [param_exchange_bytes(b, 8) for b in buckets]
+    largest = max(max(whole, 8 * rows) for whole, rows in sizes)  # 8192x2048 bf16: 32 MiB
+    assert all(max(round_bytes(buckets, r, 8)) <= max(limit, largest) for r in rounds)
+    # The same parameters with the same owners, only cut into rounds ...
+    owned = sorted((job.bucket, i, job.owner) for r in rounds for job in r for i in job.indices)
+    assert owned == sorted((job.bucket, i, job.owner) for job in jobs for i in job.indices)
+    # ... and every owner takes part in every round until its work is done (no rank waits on another's NS).
+    left = {owner: sum(len(job.indices) for job in jobs if job.owner == owner) for owner in range(8)}
+    for r in rounds:
+        assert {job.owner for job in r} == {owner for owner, n in left.items() if n}
+        for job in r:
+            left[job.owner] -= len(job.indices)
+
+
 def test_a_sub_bucket_keeps_its_parameters_lists_aligned():
     (bucket,) = accelerator_buckets([(4, 4)] * 5)
     part = sub_bucket(bucket, [1, 3])
@@ -223,6 +252,9 @@ SHARDED_CASES = {  # name -> (shard dim, split_ns, fp32 group shapes, bf16 group
     "dim1-fallback": (1, True, SHARDED_SHAPES, BF16_SHAPES),
     "rank-1-owns-nothing": (0, True, [(1, 4)], []),  # rank 1 holds 0 rows of the only matrix
 }
+#: The "owners" case also runs its exchanges in rounds of this limit ("rounds"): the 16x8 fp32 matrix
+#: (2 x 256 bytes) fills an owner's round alone.
+ROUND_BYTES = 512
 
 
 def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
@@ -239,19 +271,26 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
     grads = [[torch.randn(shape) for shape in shapes] for _ in range(3)]
     shard = functools.partial(distribute_tensor, device_mesh=mesh, placements=[Shard(shard_dim)])
     results = {}
-    for name, place, split in (("sharded", shard, split_ns), ("whole", lambda x: x, False)):
+    modes = [("sharded", shard, split_ns), ("whole", lambda x: x, False)]
+    for name, place, split in modes + ([("rounds", shard, True)] if case == "owners" else []):
+        _strategies.EXCHANGE_ROUND_BYTES = ROUND_BYTES if name == "rounds" else 64 << 20
         params = [nn.Parameter(place(x.clone())) for x in initial]
         groups = [{"params": params[: len(fp32_shapes)], "ns_dtype": "float32"}]
         if bf16_shapes:
             groups.append({"params": params[len(fp32_shapes) :], "ns_dtype": "bfloat16", "nesterov": False})
         optimizer = Muon(groups, lr=0.1, weight_decay=0.01, split_ns=split)
+        exchanges = []
         for step, step_grads in enumerate(grads):
             for i, (p, g) in enumerate(zip(params, step_grads)):
                 unused = step == 1 and i == 0  # no gradient on any rank for one step
                 p.grad = None if unused else place(g)
             optimizer.record_diagnostics()
             optimizer.step()
+            strategy = optimizer._strategy[1]
+            if isinstance(strategy, _strategies.ShardedStep):
+                exchanges.append((strategy.rounds, strategy.largest_buffer, strategy.buffers.kept_bytes))
         results[name] = {
+            "exchanges": exchanges,
             "params": [(p.full_tensor() if is_dtensor(p) else p).detach() for p in params],
             "diagnostics": sorted(
                 (d.name, d.orthogonality_error.item(), d.update_rms.item()) for d in optimizer.diagnostics
@@ -296,6 +335,23 @@ def test_sharded_parameters_are_orthogonalised_whole(tmp_path, case):
         assert sent == [0, 0]
     if case == "rank-1-owns-nothing":
         assert sent[1] == 0
+    if owners:  # everything in one round at the default limit (none on a step without gradients)
+        assert all(max(rounds for rounds, *_ in r["sharded"]["exchanges"]) == 1 for r in ranks)
+    if case == "owners":
+        for r in ranks:
+            # In rounds: a batch may be cut between rounds (rounding only), the same bytes travel.
+            for got, expected in zip(r["rounds"]["params"], r["whole"]["params"]):
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+            got, expected = r["rounds"]["diagnostics"], r["sharded"]["diagnostics"]
+            assert [d[0] for d in got] == [d[0] for d in expected]
+            torch.testing.assert_close([d[1:] for d in got], [d[1:] for d in expected], atol=1e-5, rtol=0)
+            # Several rounds, no buffer over the limit, three kept buffers in all; the last step repeats the
+            # first one's exchanges (the second lacks a gradient) and allocates nothing.
+            exchanges = r["rounds"]["exchanges"]
+            assert all(rounds > 1 and largest <= ROUND_BYTES for rounds, largest, _ in exchanges), exchanges
+            kept = [kept for *_, kept in exchanges]
+            assert kept[2] == kept[1] and max(kept) <= 3 * ROUND_BYTES, exchanges
+        assert sum(r["rounds"]["sent"] for r in ranks) == sum(sent)
 
 
 def run_fsdp2(out: Path, *args: str) -> list[dict]:

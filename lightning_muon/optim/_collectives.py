@@ -214,25 +214,60 @@ def shard_rows(rows: int, world_size: int) -> list[int]:
 Layout = tuple[int, tuple[int, int], torch.dtype]
 
 
+class ExchangeBuffers:
+    """The byte buffers of the FSDP2 exchanges, kept between steps (and rounds): one per role (``"send"``,
+    ``"receive"``, ``"stacks"``), grown to the largest request, so exchanges of the same sizes allocate nothing.
+
+    A request is valid until the next request of the same role. `largest` is the largest request since the
+    caller last reset it (what a step's exchanges needed of any one buffer); `kept_bytes` what is held.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, str], Tensor] = {}
+        self.largest = 0
+
+    def get(self, role: str, nbytes: int, device: torch.device) -> Tensor:
+        """``nbytes`` of ``uint8`` on ``device`` for ``role`` (the front of the kept buffer)."""
+        self.largest = max(self.largest, nbytes)
+        key = (role, str(device))
+        kept = self._kept.get(key)
+        if kept is None or kept.numel() < nbytes:
+            kept = self._kept[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return kept[:nbytes]
+
+    @property
+    def kept_bytes(self) -> int:
+        """Bytes held between steps, all roles together."""
+        return sum(t.numel() for t in self._kept.values())
+
+
+def _buffer(buffers: ExchangeBuffers | None, role: str, nbytes: int, device: torch.device) -> Tensor:
+    if buffers is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffers.get(role, nbytes, device)
+
+
 def _all_to_all(
     pieces: list[list[tuple[Tensor, torch.dtype]]],
     receive: list[list[tuple[tuple[int, int], torch.dtype]]],
     world: World,
     device: torch.device,
+    buffers: ExchangeBuffers | None = None,
 ) -> list[list[Tensor]]:
     """Send ``pieces[d]`` (matrices, each with the dtype it travels in: cast while packing) to each rank
     ``d``; receive matrices of the given shapes and dtypes from each rank, in the order that rank sent
-    them. One ``all_to_all_single`` of bytes."""
+    them. One ``all_to_all_single`` of bytes, through ``buffers``' send and receive buffers where given
+    (the results are views into the receive buffer)."""
     send_sizes = [sum(_padded(p.numel() * dtype.itemsize) for p, dtype in row) for row in pieces]
     receive_sizes = [sum(_padded(m * n * dtype.itemsize) for (m, n), dtype in row) for row in receive]
-    send = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
+    send = _buffer(buffers, "send", sum(send_sizes), device)
     offset = 0
     for row in pieces:
         for piece, dtype in row:
             nbytes = piece.numel() * dtype.itemsize
             send[offset : offset + nbytes].view(dtype).view(piece.shape).copy_(piece)
             offset += _padded(nbytes)
-    received = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=device)
+    received = _buffer(buffers, "receive", sum(receive_sizes), device)
     dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=world.group)
     result: list[list[Tensor]] = []
     offset = 0
@@ -246,7 +281,11 @@ def _all_to_all(
 
 
 def gather_to_owners(
-    shards: Sequence[Sequence[Tensor]], owners: Sequence[int], layouts: Sequence[Layout], world: World
+    shards: Sequence[Sequence[Tensor]],
+    owners: Sequence[int],
+    layouts: Sequence[Layout],
+    world: World,
+    buffers: ExchangeBuffers | None = None,
 ) -> dict[int, Tensor]:
     """Send every rank's row shards of each job's matrices to the job's owner, whole matrices come back.
 
@@ -255,8 +294,10 @@ def gather_to_owners(
         owners: the rank of every job (from `assign_owners`), the same on every rank.
         layouts: per job ``(count, (m, n), dtype)``: how many matrices, their whole shape, and the dtype
             they travel (and are orthogonalised) in.
+        buffers: kept exchange buffers to use (fresh ones without).
 
-    Returns, for each job this rank owns, its matrices stacked whole: ``(count, m, n)`` in ``dtype``.
+    Returns, for each job this rank owns, its matrices stacked whole: ``(count, m, n)`` in ``dtype``
+    (views into ``buffers``' stacks buffer where given, valid until its next use).
     """
     device = shards[0][0].device
     pieces: list[list] = [[] for _ in range(world.size)]
@@ -266,14 +307,17 @@ def gather_to_owners(
         if owners[job] == world.rank:
             for source, shard_height in enumerate(shard_rows(m, world.size)):
                 receive[source].extend([((shard_height, n), dtype)] * count)
-    received = _all_to_all(pieces, receive, world, device)
+    received = _all_to_all(pieces, receive, world, device, buffers)
+    mine = [job for job in range(len(layouts)) if owners[job] == world.rank]
+    stacks = _buffer(buffers, "stacks", sum(layout_bytes(layouts[job]) for job in mine), device)
     whole: dict[int, Tensor] = {}
-    taken = [0] * world.size
-    for job, (count, (m, n), dtype) in enumerate(layouts):
-        if owners[job] != world.rank:
-            continue
+    taken, offset = [0] * world.size, 0
+    for job in mine:
+        count, (m, n), dtype = layouts[job]
         rows = shard_rows(m, world.size)
-        stack = torch.empty(count, m, n, dtype=dtype, device=device)
+        nbytes = count * m * n * dtype.itemsize  # contiguous; the next stack starts 8-byte aligned
+        stack = stacks[offset : offset + nbytes].view(dtype).view(count, m, n)
+        offset += layout_bytes(layouts[job])
         for i in range(count):
             start = 0
             for source in range(world.size):
@@ -286,13 +330,19 @@ def gather_to_owners(
 
 
 def scatter_from_owners(
-    whole: dict[int, Tensor], owners: Sequence[int], layouts: Sequence[Layout], world: World, device: torch.device
+    whole: dict[int, Tensor],
+    owners: Sequence[int],
+    layouts: Sequence[Layout],
+    world: World,
+    device: torch.device,
+    buffers: ExchangeBuffers | None = None,
 ) -> list[list[Tensor]]:
     """The inverse of `gather_to_owners`: each owner sends every rank its rows of each whole result.
 
     Args:
         whole: for each job this rank owns, its results ``(count, m, n)`` in the layout's dtype.
         device: where the receive buffer lives (the parameters' device).
+        buffers: kept exchange buffers to use (fresh ones without).
 
     Returns, per job, this rank's rows of each result (``(rows, n)`` views into one receive buffer).
     """
@@ -307,7 +357,7 @@ def scatter_from_owners(
                 for dest in range(world.size):
                     pieces[dest].append((whole[job][i, start : start + rows[dest]], dtype))
                     start += rows[dest]
-    received = _all_to_all(pieces, receive, world, device)
+    received = _all_to_all(pieces, receive, world, device, buffers)
     result, taken = [], [0] * world.size
     for job, (count, _, _) in enumerate(layouts):
         owner = owners[job]

@@ -13,6 +13,9 @@ call. Hence:
 - the busiest rank does at most the mean plus one parameter's FLOPs (the greedy bound; measured
   1.00-1.02x the mean for GPT-2-small at 2-8 ranks, see ``benchmarks/distributed.py --plan``);
 - the plan is a pure function of the buckets, the same on every rank without communicating.
+
+Under FSDP2 the jobs' exchanges then run in rounds (`exchange_rounds`), so that no exchange buffer
+grows with the model.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, TypeVar
 
-from lightning_muon.optim._collectives import assign_owners, layout_bytes
+from lightning_muon.optim._collectives import _padded, assign_owners, layout_bytes, shard_rows
 from lightning_muon.optim._update import Bucket
 
 T = TypeVar("T")
@@ -106,3 +109,62 @@ def balance(buckets: Sequence[Bucket], jobs: Sequence[Job], world_size: int) -> 
         sent[job.owner] += layout_bytes(part.exchange_layout)
         flops[job.owner] += part.flops
     return Balance(sent, flops)
+
+
+# ----------------------------------------------------------------- FSDP2 exchange rounds
+
+
+def param_exchange_bytes(bucket: Bucket, world_size: int) -> tuple[int, int]:
+    """What one parameter of the bucket weighs in an FSDP2 exchange buffer: ``(whole, rows)``, the bytes its
+    owner receives (every rank's row shard, each 8-byte aligned; as much again for the stack and the results
+    it sends back), and the most bytes any rank sends of it (the first rank's rows, the longest)."""
+    _, (m, n), dtype = bucket.exchange_layout
+    heights = shard_rows(m, world_size)
+    return sum(_padded(h * n * dtype.itemsize) for h in heights), _padded(heights[0] * n * dtype.itemsize)
+
+
+def round_bytes(buckets: Sequence[Bucket], jobs: Sequence[Job], world_size: int) -> tuple[int, int]:
+    """``(whole, rows)`` of a round of these jobs: the most bytes any owner receives (its jobs' matrices),
+    and the most bytes any rank sends (its rows of every job). Every exchange buffer of the round holds one of
+    the two, or less."""
+    whole, rows = [0] * world_size, 0
+    for job in jobs:
+        w, r = param_exchange_bytes(buckets[job.bucket], world_size)
+        whole[job.owner] += w * len(job.indices)
+        rows += r * len(job.indices)
+    return max(whole), rows
+
+
+def exchange_rounds(buckets: Sequence[Bucket], jobs: Sequence[Job], world_size: int, limit: int) -> list[list[Job]]:
+    """The jobs of an FSDP2 step in rounds of exchanges, every owner busy in every round it has work for.
+
+    Each round takes from every owner's parameters (in plan order) as many as keep its received bytes
+    (`round_bytes`' ``whole``) and every rank's sent rows (``rows``) within ``limit``, and at least one, so
+    that no owner waits a round while another works. A job that does not fit is cut between rounds at a
+    parameter boundary. Hence every exchange buffer of a round holds at most ``max(limit, P)`` bytes, with
+    ``P`` the largest of any parameter's whole bytes and ``world_size`` times its first rank's rows (what the
+    owners' first parameters of a round may send together). Within a round jobs come bucket by bucket, owners
+    ascending: the same rounds on every rank.
+    """
+    queues: list[list[tuple[int, int]]] = [[] for _ in range(world_size)]  # per owner: (bucket, position)
+    for job in jobs:
+        queues[job.owner] += [(job.bucket, i) for i in job.indices]
+    sizes = [param_exchange_bytes(bucket, world_size) for bucket in buckets]
+    rounds: list[list[Job]] = []
+    taken = [0] * world_size  # how far each owner's queue is done
+    while any(taken[o] < len(queues[o]) for o in range(world_size)):
+        current: dict[tuple[int, int], list[int]] = {}
+        whole, rows, added = [0] * world_size, 0, True
+        while added:  # owners take turns, one parameter each, until none fits
+            added = False
+            for owner in range(world_size):
+                if taken[owner] == len(queues[owner]):
+                    continue
+                b, i = queues[owner][taken[owner]]
+                w, r = sizes[b]
+                if whole[owner] and (whole[owner] + w > limit or rows + r > limit):
+                    continue
+                current.setdefault((b, owner), []).append(i)
+                whole[owner], rows, taken[owner], added = whole[owner] + w, rows + r, taken[owner] + 1, True
+        rounds.append([Job(b, owner, tuple(sorted(ix))) for (b, owner), ix in sorted(current.items())])
+    return rounds

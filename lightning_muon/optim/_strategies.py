@@ -27,6 +27,7 @@ from torch import Tensor
 from lightning_muon.optim import _update
 from lightning_muon.optim._collectives import (
     Agreement,
+    ExchangeBuffers,
     World,
     all_gather_results,
     any_rank,
@@ -37,7 +38,7 @@ from lightning_muon.optim._collectives import (
     scatter_from_owners,
     sharded_world,
 )
-from lightning_muon.optim._plan import Job, in_bucket_order, plan_jobs, sub_bucket
+from lightning_muon.optim._plan import Job, exchange_rounds, in_bucket_order, plan_jobs, sub_bucket
 from lightning_muon.optim._update import Bucket, Chooser, ParamDiagnostics
 
 
@@ -122,64 +123,115 @@ class ReplicatedStep(LocalStep):
         return diagnostics
 
 
+#: The most bytes one FSDP2 exchange buffer holds per rank (a round of exchanges stays within it, see
+#: `lightning_muon.optim._plan.exchange_rounds`): large enough for all-to-alls at full bandwidth and for batched
+#: Newton-Schulz calls that gain nothing from growing further, small next to an accelerator's memory.
+EXCHANGE_ROUND_BYTES = 64 << 20
+
+
 class ShardedStep(LocalStep):
     """FSDP2: each job's row shards go to its owner rank, which orthogonalises the whole matrices and
-    sends every rank back its rows of the result; every rank applies its own rows. Momentum stays sharded."""
+    sends every rank back its rows of the result; every rank applies its own rows. Momentum stays sharded.
+
+    The exchanges run in rounds (`lightning_muon.optim._plan.exchange_rounds`, every owner busy in each):
+    every exchange buffer holds at most ``max(round_bytes, P)`` bytes per rank, ``P`` about one parameter's
+    matrices in ``ns_dtype`` (for a parameter larger than the limit), through three buffers kept between
+    steps (send, receive, stacks), so the exchange memory is bounded by the round, not the model. At the
+    peak of a round a rank holds those three, the owner's Newton-Schulz results (as large as its stacks)
+    and the round's momentum updates of its rows (in the gradients' dtype): about ``4 * round_bytes`` plus
+    those updates, where one exchange of the whole model allocated its share (``~12 bytes per Muon
+    parameter / world``) afresh every step.
+    """
 
     whole_dtensors = False
 
     def __init__(self, world: World) -> None:
         self.world = world
         self.agreement = make_agreement(world.group)
+        #: Most bytes one exchange buffer holds in a round (`EXCHANGE_ROUND_BYTES` unless changed).
+        self.round_bytes = EXCHANGE_ROUND_BYTES
+        self.buffers = ExchangeBuffers()
+        #: Rounds of exchanges the last step took.
+        self.rounds = 0
+        #: Bytes of the largest exchange buffer the last step needed (at most `round_bytes`, or one parameter).
+        self.largest_buffer = 0
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
         assert self.world is not None
-        self.exchanged_bytes = 0
+        self.exchanged_bytes = self.buffers.largest = 0
+        self.rounds = self.largest_buffer = 0
         if not buckets:  # the same on every rank: which parameters have gradients was agreed
             return []
         # The local shards (views: in-place updates reach the DTensors) do all the elementwise work.
         local = [bucket.local() for bucket in buckets]
-        updates = [_update.momentum(bucket) for bucket in local]
-        jobs = plan_jobs(buckets, self.world.size)
+        rounds = exchange_rounds(buckets, plan_jobs(buckets, self.world.size), self.world.size, self.round_bytes)
+        chosen = {} if diagnose is None else chosen_rows(buckets, diagnose)
+        values = torch.zeros(len(chosen), 2, device=local[0].params[0].device)
+        for jobs in rounds:
+            results = self._round(buckets, local, jobs)
+            if chosen:
+                measure_into(values, chosen, buckets, jobs, results)
+        self.rounds, self.largest_buffer = len(rounds), self.buffers.largest
+        if diagnose is None:
+            return []
+        # Owners measured the whole updates they computed; one all-reduce gives every rank every number.
+        torch.distributed.all_reduce(values, group=self.world.group)
+        return [
+            ParamDiagnostics(buckets[b].names[i], tuple(buckets[b].params[i].shape), buckets[b].effective_lr, *row)
+            for (b, i), row in zip(chosen, values, strict=True)
+        ]
+
+    def _round(self, buckets: Sequence[Bucket], local: Sequence[Bucket], jobs: Sequence[Job]) -> dict[int, Tensor]:
+        """One round: momentum of the round's rows, shards to their owners, Newton-Schulz there, rows back,
+        apply. Returns the whole results this rank computed, by the index of their job in ``jobs``."""
+        assert self.world is not None
+        touched: dict[int, list[int]] = {}  # bucket -> its positions in this round: one foreach call per bucket
+        for job in jobs:
+            touched.setdefault(job.bucket, []).extend(job.indices)
+        parts = {b: (sorted(ix), sub_bucket(local[b], sorted(ix))) for b, ix in touched.items()}
+        update_of: dict[tuple[int, int], Tensor] = {}
+        for b, (ix, part) in parts.items():
+            update_of.update(zip([(b, i) for i in ix], _update.momentum(part), strict=True))
+        shards = [[update_of[job.bucket, i] for i in job.indices] for job in jobs]
         owners = [job.owner for job in jobs]
         layouts = [sub_bucket(buckets[job.bucket], job.indices).exchange_layout for job in jobs]
-        shards = [[updates[job.bucket][i] for i in job.indices] for job in jobs]
-        whole = gather_to_owners(shards, owners, layouts, self.world)
+        whole = gather_to_owners(shards, owners, layouts, self.world, self.buffers)
         results = {j: _update.orthogonalise_stack(buckets[jobs[j].bucket].group, stack) for j, stack in whole.items()}
         device = local[0].params[0].device
-        mine = scatter_from_owners(results, owners, layouts, self.world, device)
-        self.exchanged_bytes = sum(
+        mine = scatter_from_owners(results, owners, layouts, self.world, device, self.buffers)
+        self.exchanged_bytes += sum(
             s.numel() * layout[2].itemsize for ss, layout in zip(shards, layouts, strict=True) for s in ss
         ) + sum(r.numel() * r.element_size() for r in results.values())
-        for bucket, orthogonal in zip(local, in_bucket_order(buckets, jobs, mine), strict=True):
-            _update.apply(bucket, orthogonal)
-        return [] if diagnose is None else self._diagnostics(buckets, jobs, results, diagnose)
+        rows_of: dict[tuple[int, int], Tensor] = {}
+        for job, got in zip(jobs, mine, strict=True):
+            rows_of.update(zip([(job.bucket, i) for i in job.indices], got, strict=True))
+        for b, (ix, part) in parts.items():
+            _update.apply(part, [rows_of[b, i] for i in ix])
+        return results
 
-    def _diagnostics(
-        self, buckets: Sequence[Bucket], jobs: Sequence[Job], results: dict[int, Tensor], diagnose: Chooser
-    ) -> list[ParamDiagnostics]:
-        """Owners measure the whole updates they computed; one all-reduce gives every rank every number."""
-        assert self.world is not None
-        chosen = [[k for k, i in enumerate(job.indices) if diagnose(buckets[job.bucket].params[i])] for job in jobs]
-        starts = [0]
-        for picked in chosen:
-            starts.append(starts[-1] + len(picked))
-        values = torch.zeros(starts[-1], 2, device=buckets[0].params[0].device)
-        for j, stack in results.items():
-            if chosen[j]:
-                errors, rms = _update.measure(stack[chosen[j]], buckets[jobs[j].bucket].effective_lr)
-                values[starts[j] : starts[j + 1]] = torch.stack([errors, rms], dim=1)
-        torch.distributed.all_reduce(values, group=self.world.group)
-        measured = {}  # (bucket, position) -> its numbers: the diagnostics come in bucket order, as on one process
-        for j, job in enumerate(jobs):
-            for row, k in zip(values[starts[j] : starts[j + 1]], chosen[j], strict=True):
-                measured[job.bucket, job.indices[k]] = row
-        diagnostics = []
-        for (b, i), row in sorted(measured.items(), key=lambda item: item[0]):
-            bucket = buckets[b]
-            shape = tuple(bucket.params[i].shape)
-            diagnostics.append(ParamDiagnostics(bucket.names[i], shape, bucket.effective_lr, row[0], row[1]))
-        return diagnostics
+
+def chosen_rows(buckets: Sequence[Bucket], diagnose: Chooser) -> dict[tuple[int, int], int]:
+    """``(bucket, position) -> row`` of every diagnosed parameter, in bucket order (as on one process)."""
+    chosen = [(b, i) for b, bucket in enumerate(buckets) for i, p in enumerate(bucket.params) if diagnose(p)]
+    return {key: row for row, key in enumerate(chosen)}
+
+
+def measure_into(
+    values: Tensor,
+    chosen: dict[tuple[int, int], int],
+    buckets: Sequence[Bucket],
+    jobs: Sequence[Job],
+    results: dict[int, Tensor],
+) -> None:
+    """Write the orthogonality error and update RMS of the diagnosed matrices among ``results`` (whole, by job)
+    into their rows of ``values``."""
+    for j, stack in results.items():
+        job = jobs[j]
+        picked = [k for k, i in enumerate(job.indices) if (job.bucket, i) in chosen]
+        if picked:
+            errors, rms = _update.measure(stack[picked], buckets[job.bucket].effective_lr)
+            rows = [chosen[job.bucket, job.indices[k]] for k in picked]
+            values[rows] = torch.stack([errors, rms], dim=1)
 
 
 def choose_strategy(params: Sequence[Tensor], split_ns: bool, stacks: bool = False) -> LocalStep:
