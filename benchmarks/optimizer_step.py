@@ -44,7 +44,13 @@ from rich.table import Table
 
 import lightning_muon
 from lightning_muon.optim._update import ns_dtype, preview_update, uses_gram
-from lightning_muon.optim.newton_schulz import ns_flops, orthogonality_error
+from lightning_muon.optim.muon import DEFAULT_GRAM_ASPECT
+from lightning_muon.optim.newton_schulz import (
+    gram_newton_schulz,
+    ns_flops,
+    orthogonality_error,
+    zeropower_via_newtonschulz,
+)
 
 import _common
 import _report
@@ -166,6 +172,37 @@ def bench_model(name: str, repeats: int, progress: Progress) -> list[dict]:
     ]
 
 
+#: The Gram threshold sweep: short sides and aspect ratios (long side / short side).
+SWEEP_SIDES = (64, 128, 256, 768)
+SWEEP_ASPECTS = (1.5, 2, 3, 4, 6, 9)
+
+
+def gram_sweep(progress: Progress, seconds: float = 1.5) -> Table:
+    """Time of `gram_newton_schulz` over the standard iteration, bf16, on stacks of ``r x alpha*r`` matrices
+    (up to 8 matrices or 4 MiB a stack): the evidence for `DEFAULT_GRAM_ASPECT`. The two take turns call by
+    call; the cell is the median of the per-turn ratios (below 1: Gram is faster)."""
+    table = Table(title="Gram Newton-Schulz time / standard, bf16 (median of paired calls)")
+    table.add_column("short side r", justify="left")
+    for aspect in SWEEP_ASPECTS:
+        table.add_column(f"k = {aspect} r", justify="right")
+    task = progress.add_task("Gram sweep", total=len(SWEEP_SIDES) * len(SWEEP_ASPECTS))
+    for r in SWEEP_SIDES:
+        cells = []
+        for aspect in SWEEP_ASPECTS:
+            k = int(r * aspect)
+            X = torch.randn(max(1, min(8, (4 << 20) // (2 * r * k))), r, k, device=DEVICE).bfloat16()
+            zeropower_via_newtonschulz(X), gram_newton_schulz(X)
+            ratios: list[float] = []
+            start = time.perf_counter()
+            while time.perf_counter() - start < seconds or len(ratios) < 5:
+                standard = timed(lambda X=X: zeropower_via_newtonschulz(X))
+                ratios.append(timed(lambda X=X: gram_newton_schulz(X)) / standard)
+            cells.append(f"{statistics.median(ratios):.2f}")
+            progress.advance(task)
+        table.add_row(f"r = {r}", *cells)
+    return table
+
+
 def render(rows: list[dict], peaks: dict[torch.dtype, float]) -> Table:
     table = Table(title=f"optimizer step on {DEVICE.type} (median)")
     columns = ("model", "optimizer", "step ms", "ours / torch.optim.Muon", "NS GFLOP", "NS % of matmul peak",
@@ -196,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="matrix sets to run (default: gpt2-small width-128 resnet18-conv)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or an accelerator such as cuda")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per optimizer (median reported)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the Gram threshold sweep")
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/optimizer_step.md and its RESULTS.md section (else: print)")
     args = parser.parse_args(argv)
@@ -211,8 +249,11 @@ def main(argv: list[str] | None = None) -> None:
         for name in models:
             repeats = args.repeats or (11 if name == "gpt2-small" else 50 if name == "width-128" else 21)
             rows += bench_model(name, repeats, progress)
+        sweep = None if args.no_sweep or args.quick else gram_sweep(progress)
     table = render(rows, peaks)
     console.print(table)
+    if sweep is not None:
+        console.print(sweep)
     device = torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else DEVICE.type
     details = (
         f"{_common.machine()}, device {device}; matmul peak bf16 {peaks[torch.bfloat16] / 1e9:.0f} GFLOP/s, "
@@ -228,7 +269,13 @@ def main(argv: list[str] | None = None) -> None:
         )
         name = "optimizer_step" if DEVICE.type == "cpu" else f"optimizer_step_{DEVICE.type}"
         title = "Optimizer step" + ("" if DEVICE.type == "cpu" else f" ({device})")
-        path = _report.write(name, title, _report.command("optimizer_step.py", argv), details, [table], notes)
+        if sweep is not None:
+            notes += (
+                f"The sweep times Gram Newton-Schulz against the standard iteration on stacks of r x k matrices; the "
+                f"default `ns_gram_aspect` ({DEFAULT_GRAM_ASPECT:g}) is where Gram is faster across the sizes.\n"
+            )
+        tables = [table] if sweep is None else [table, sweep]
+        path = _report.write(name, title, _report.command("optimizer_step.py", argv), details, tables, notes)
         console.print(f"wrote {path}")
 
 
