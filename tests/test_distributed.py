@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import datetime
 import functools
+import logging
+import math
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -214,7 +218,7 @@ def _agreement_worker(rank: int, init_file: str, out: str) -> None:
     optimizer.step()
     strategy = optimizer._strategy[1]
     flags = strategy.agree([rank == 0, rank == 1, False], torch.device("cpu"))
-    torch.save({"reduced": reduced, "flags": flags, "sent": optimizer.last_exchange_bytes,
+    torch.save({"reduced": reduced, "flags": flags, "sent": optimizer.last_exchange_bytes, "path": strategy.description,
                 "buffer": optimizer.state[params[0]]["momentum_buffer"].clone()}, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     os._exit(0)  # as _sharded_worker: no interpreter teardown
@@ -228,9 +232,21 @@ def test_a_device_only_backend_agrees_on_a_gloo_group_of_cpu_tensors(tmp_path):
         # Two agreements (the step's and the direct call), each a CPU tensor on a group of its own.
         assert r["reduced"] == [("cpu", False), ("cpu", False)]
         assert r["flags"] == [True, True, False]
+        assert r["path"].startswith("Newton-Schulz split over 2 DDP ranks")
         assert r["sent"] > 0
     # The parameter that only rank 0 had a gradient for was stepped on both (rank 1 with zeros).
     assert ranks[0]["buffer"].abs().sum() > 0 and ranks[1]["buffer"].abs().sum() == 0
+
+
+def test_a_run_says_once_which_path_it_takes(caplog):
+    p = nn.Parameter(torch.randn(4, 4))
+    p.grad = torch.ones_like(p)
+    optimizer = Muon([p])
+    with caplog.at_level(logging.INFO):
+        optimizer.step()
+        optimizer.step()
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Muon:")]
+    assert told == ["Muon: Newton-Schulz runs on this process alone."]
 
 
 def test_orthogonalising_a_shard_is_not_orthogonalising_the_matrix():
@@ -251,25 +267,30 @@ SHARDED_CASES = {  # name -> (shard dim, split_ns, fp32 group shapes, bf16 group
     "every-rank": (0, False, SHARDED_SHAPES, BF16_SHAPES),
     "dim1-fallback": (1, True, SHARDED_SHAPES, BF16_SHAPES),
     "rank-1-owns-nothing": (0, True, [(1, 4)], []),  # rank 1 holds 0 rows of the only matrix
+    "hsdp-2x2": (0, True, SHARDED_SHAPES, BF16_SHAPES),  # 2 replicas x 2 shards, (Replicate(), Shard(0))
 }
+#: The device mesh of each case (2 ranks, 1-D, unless named here).
+MESHES = {"hsdp-2x2": (2, 2)}
 #: The "owners" case also runs its exchanges in rounds of this limit ("rounds"): the 16x8 fp32 matrix
 #: (2 x 256 bytes) fills an owner's round alone.
 ROUND_BYTES = 512
 
 
 def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
-    """Steps Muon on DTensor parameters (2 ranks) and on the same whole tensors (no sharding); saves both."""
+    """Steps Muon on DTensor parameters (the case's mesh) and on the same whole tensors (no sharding); saves both."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     shard_dim, split_ns, fp32_shapes, bf16_shapes = SHARDED_CASES[case]
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
+    shape = MESHES.get(case, (2,))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=math.prod(shape))
+    mesh = init_device_mesh("cpu", shape)
+    placements = [Shard(shard_dim)] if len(shape) == 1 else [Replicate(), Shard(shard_dim)]
     shapes = fp32_shapes + bf16_shapes
     torch.manual_seed(0)
     initial = [torch.randn(shape) for shape in shapes]
     grads = [[torch.randn(shape) for shape in shapes] for _ in range(3)]
-    shard = functools.partial(distribute_tensor, device_mesh=mesh, placements=[Shard(shard_dim)])
+    shard = functools.partial(distribute_tensor, device_mesh=mesh, placements=placements)
     results = {}
     modes = [("sharded", shard, split_ns), ("whole", lambda x: x, False)]
     for name, place, split in modes + ([("rounds", shard, True)] if case == "owners" else []):
@@ -280,16 +301,20 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
             groups.append({"params": params[len(fp32_shapes) :], "ns_dtype": "bfloat16", "nesterov": False})
         optimizer = Muon(groups, lr=0.1, weight_decay=0.01, split_ns=split)
         exchanges = []
-        for step, step_grads in enumerate(grads):
-            for i, (p, g) in enumerate(zip(params, step_grads)):
-                unused = step == 1 and i == 0  # no gradient on any rank for one step
-                p.grad = None if unused else place(g)
-            optimizer.record_diagnostics()
-            optimizer.step()
-            strategy = optimizer._strategy[1]
-            if isinstance(strategy, _strategies.ShardedStep):
-                exchanges.append((strategy.rounds, strategy.largest_buffer, strategy.buffers.kept_bytes))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step, step_grads in enumerate(grads):
+                for i, (p, g) in enumerate(zip(params, step_grads)):
+                    unused = step == 1 and i == 0  # no gradient on any rank for one step
+                    p.grad = None if unused else place(g)
+                optimizer.record_diagnostics()
+                optimizer.step()
+                strategy = optimizer._strategy[1]
+                if isinstance(strategy, _strategies.ShardedStep):
+                    exchanges.append((strategy.rounds, strategy.largest_buffer, strategy.buffers.kept_bytes))
         results[name] = {
+            "path": (strategy.description, strategy.fallback),
+            "warned": [str(w.message) for w in caught if str(w.message).startswith("Muon:")],
             "exchanges": exchanges,
             "params": [(p.full_tensor() if is_dtensor(p) else p).detach() for p in params],
             "diagnostics": sorted(
@@ -304,16 +329,36 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
     os._exit(0)
 
 
+#: What each case's run says it does (`choose_strategy`'s line): a pattern and whether it is a fallback.
+SHARDED_PATHS = {
+    "owners": (r"FSDP2 owner ranks: 2 ranks \(", False),
+    "every-rank": (r"every rank gathers and orthogonalises every whole matrix \(split_ns=False\)", False),
+    "dim1-fallback": (r"every rank gathers .* \(not split: placements \(Shard\(dim=1\)\) on a 1-D mesh", True),
+    "rank-1-owns-nothing": (r"FSDP2 owner ranks: 2 ranks \(", False),
+    "hsdp-2x2": (r"FSDP2 owner ranks: the 2 ranks of the mesh's shard dim, repeated by each of its 2 replicas", False),
+}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", list(SHARDED_CASES))
+@pytest.mark.parametrize(  # 4 processes on the 2 cores of CI: slow
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in MESHES else c for c in SHARDED_CASES]
+)
 def test_sharded_parameters_are_orthogonalised_whole(tmp_path, case):
     """DTensor parameters (FSDP2's row shards, uneven and empty ones included) give the unsharded result:
-    through owner ranks and two all-to-alls (FSDP2's layout), or gathered whole on every rank (split off,
-    other layouts); two param groups with different Newton-Schulz dtypes share the exchange."""
+    through owner ranks and two all-to-alls (FSDP2's layout, and HSDP's within each replica), or gathered
+    whole on every rank (split off, other layouts); two param groups with different Newton-Schulz dtypes
+    share the exchange."""
     shard_dim, split_ns, fp32_shapes, bf16_shapes = SHARDED_CASES[case]
-    mp.spawn(_sharded_worker, args=(str(tmp_path / "init"), case, str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    shape = MESHES.get(case, (2,))
+    world, replicas = math.prod(shape), shape[0] if len(shape) == 2 else 1
+    mp.spawn(_sharded_worker, args=(str(tmp_path / "init"), case, str(tmp_path)), nprocs=world, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     owners = shard_dim == 0 and split_ns
+    pattern, fallback = SHARDED_PATHS[case]
+    assert re.search(pattern, ranks[0]["sharded"]["path"][0]) and ranks[0]["sharded"]["path"][1] == fallback
+    # A fallback is a warning, once, on rank zero only (the other paths are an info line).
+    assert ranks[0]["sharded"]["warned"] == ([f"Muon: {ranks[0]['sharded']['path'][0]}."] if fallback else [])
+    assert all(r["sharded"]["warned"] == [] for r in ranks[1:])
     for r in ranks:
         for got, expected in zip(r["sharded"]["params"], r["whole"]["params"]):
             if owners:  # the owners batch exactly as one process does: the same bits
@@ -323,16 +368,17 @@ def test_sharded_parameters_are_orthogonalised_whole(tmp_path, case):
         got, expected = r["sharded"]["diagnostics"], r["whole"]["diagnostics"]
         assert [d[0] for d in got] == [d[0] for d in expected]  # every matrix, on every rank
         torch.testing.assert_close([d[1:] for d in got], [d[1:] for d in expected], atol=1e-5, rtol=0)
-    for got0, got1 in zip(ranks[0]["sharded"]["params"], ranks[1]["sharded"]["params"]):
-        assert torch.equal(got0, got1)
+    for other in ranks[1:]:
+        for got0, got in zip(ranks[0]["sharded"]["params"], other["sharded"]["params"]):
+            assert torch.equal(got0, got)
     sent = [r["sharded"]["sent"] for r in ranks]
     if owners:
-        # Every shard once to its owner, every result once back: two copies of the matrices in all, each
-        # group in its own Newton-Schulz dtype.
+        # Every shard once to its owner, every result once back: two copies of the matrices in all (in each
+        # replica), each group in its own Newton-Schulz dtype.
         numel = [sum(torch.Size(s).numel() for s in shapes) for shapes in (fp32_shapes, bf16_shapes)]
-        assert sum(sent) == 2 * (4 * numel[0] + 2 * numel[1])
+        assert sum(sent) == replicas * 2 * (4 * numel[0] + 2 * numel[1])
     else:
-        assert sent == [0, 0]
+        assert sent == [0] * world
     if case == "rank-1-owns-nothing":
         assert sent[1] == 0
     if owners:  # everything in one round at the default limit (none on a step without gradients)

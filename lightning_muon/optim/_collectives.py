@@ -12,6 +12,8 @@ dim 0), and Newton-Schulz needs the whole matrix. Each matrix gets an owner
 rank (the same FLOP-balanced assignment); one all-to-all sends every shard to
 its matrix's owner, the owner orthogonalises the whole matrix, and a second
 all-to-all sends every rank back its rows of the result. Momentum stays sharded.
+Under HSDP (a 2-D mesh: replicate, then shard) each replica does the same within
+its shard group.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class World(NamedTuple):
     size: int
     #: The process group the ranks belong to (``None``: the default group).
     group: dist.ProcessGroup | None = None
+    #: How many copies of this world repeat the same work (HSDP: the replicate dim of the mesh; else 1).
+    replicas: int = 1
 
 
 def is_dtensor(tensor: Tensor) -> bool:
@@ -54,23 +58,37 @@ def replicated_world(params: Sequence[Tensor]) -> World | None:
     return World(dist.get_rank(), dist.get_world_size())
 
 
-def sharded_world(params: Sequence[Tensor]) -> World | None:
-    """This rank, the mesh size and the mesh's process group when every parameter is a DTensor sharded on
-    dim 0 over the same 1-D device mesh of several ranks (FSDP2's layout). ``None`` otherwise."""
-    if not params or not all(is_dtensor(p) for p in params):
-        return None
-    from torch.distributed.tensor import DTensor, Shard
+def sharded_world(params: Sequence[Tensor]) -> World | str:
+    """The world of the FSDP2 owner exchange, or why these parameters have none (a sentence).
+
+    Every parameter must be a DTensor sharded on dim 0 over the same device mesh: a 1-D mesh (FSDP2,
+    placements ``(Shard(0),)``), or a 2-D mesh that replicates on its first dim and shards on its second
+    (HSDP, ``(Replicate(), Shard(0))``). The world is the shard dim's ranks and process group; under HSDP
+    each replica (`World.replicas`) repeats the same exchange and work on its own identical shards.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     dtensors = [p for p in params if isinstance(p, DTensor)]
+    if len(dtensors) != len(params):
+        return "some Muon parameters are DTensors and some are not"
     mesh = dtensors[0].device_mesh
-    if mesh.ndim != 1 or mesh.size() < 2:
-        return None
-    if any(p.device_mesh != mesh or tuple(p.placements) != (Shard(0),) for p in dtensors):
-        return None
-    group = mesh.get_group()
-    if dist.get_rank(group) != mesh.get_local_rank():  # shards follow mesh order, collectives group order
-        return None
-    return World(mesh.get_local_rank(), mesh.size(), group)
+    if any(p.device_mesh != mesh for p in dtensors):
+        return "the Muon parameters live on different device meshes"
+    placements = {tuple(p.placements) for p in dtensors}
+    expected = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    if mesh.ndim > 2 or placements != {expected}:
+        shown = ", ".join(sorted("(" + ", ".join(map(repr, ps)) + ")" for ps in placements))
+        return (
+            f"placements {shown} on a {mesh.ndim}-D mesh are neither FSDP2's (Shard(dim=0)) nor HSDP's "
+            "(Replicate(), Shard(dim=0))"
+        )
+    dim = mesh.ndim - 1
+    if mesh.size(dim) < 2:
+        return f"the mesh shards over {mesh.size(dim)} rank"
+    group = mesh.get_group(dim)
+    if dist.get_rank(group) != mesh.get_local_rank(dim):  # shards follow mesh order, collectives group order
+        return "the mesh orders its ranks unlike its process group"
+    return World(mesh.get_local_rank(dim), mesh.size(dim), group, mesh.size(0) if mesh.ndim == 2 else 1)
 
 
 def any_rank(flags: list[bool], device: torch.device, group: dist.ProcessGroup | None = None) -> list[bool]:

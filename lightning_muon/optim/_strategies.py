@@ -3,15 +3,18 @@
 `choose_strategy` picks one of three, from the parameters and the process group:
 
 - `LocalStep`: one process, or every rank doing all the work (``split_ns=False``,
-  and DTensor layouts other than FSDP2's, whose matrices are gathered whole);
+  and DTensor layouts other than FSDP2's and HSDP's, whose matrices are gathered
+  whole: a fallback, said in a rank-zero warning);
 - `ReplicatedStep` (DDP): each rank orthogonalises a FLOP-balanced share of the
   matrices, the results are all-gathered, every rank applies every update;
-- `ShardedStep` (FSDP2, DTensors ``Shard(0)`` on one 1-D mesh): each matrix's row
+- `ShardedStep` (FSDP2, DTensors ``Shard(0)`` on a 1-D mesh; HSDP, ``(Replicate(),
+  Shard(0))`` on a 2-D mesh, within each replica's shard group): each matrix's row
   shards go to an owner rank, which orthogonalises the whole matrices and sends
   every rank back its rows.
 
 Owners are assigned per parameter, each bucket cut into one job per owner
 (`lightning_muon.optim._plan`), so the split does not depend on ``ns_batch_bytes``.
+Every run says which path it takes in one rank-zero line, at its first step.
 
 Each strategy owns its owners, exchange buffers, byte count and diagnostics;
 all of them use the maths of `lightning_muon.optim._update`.
@@ -22,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_muon.optim import _update
@@ -57,6 +61,12 @@ class LocalStep:
     #: checkpoint of FSDP2 resumes only when it has a state for every parameter).
     complete_state = False
 
+    def __init__(self, description: str = "Newton-Schulz runs on this process alone", fallback: bool = False) -> None:
+        #: Which path the run takes, a clause for the rank-zero line of `choose_strategy`.
+        self.description = description
+        #: Whether that path is a fallback that repeats the Newton-Schulz work on every rank.
+        self.fallback = fallback
+
     def agree(self, flags: list[bool], device: torch.device) -> list[bool]:
         """``flags`` (one per parameter: has it a gradient?) ORed over the world's ranks, so that every rank
         builds the same buckets; ``flags`` itself without a world. ``device``: the parameters' device, used only
@@ -88,6 +98,10 @@ class ReplicatedStep(LocalStep):
     """
 
     def __init__(self, world: World) -> None:
+        super().__init__(
+            f"Newton-Schulz split over {world.size} DDP ranks (each orthogonalises a FLOP-balanced share of the "
+            "matrices, the updates are all-gathered)"
+        )
         self.world = world
         self.agreement = make_agreement(world.group)
         # Reused between steps: allocating and faulting in a copy of all updates every step measured
@@ -146,10 +160,19 @@ class ShardedStep(LocalStep):
     whole_dtensors = False
 
     def __init__(self, world: World) -> None:
-        self.world = world
-        self.agreement = make_agreement(world.group)
         #: Most bytes one exchange buffer holds in a round (`EXCHANGE_ROUND_BYTES` unless changed).
         self.round_bytes = EXCHANGE_ROUND_BYTES
+        where = f"{world.size} ranks"
+        if world.replicas > 1:
+            where = f"the {world.size} ranks of the mesh's shard dim, repeated by each of its {world.replicas} replicas"
+        super().__init__(
+            f"Newton-Schulz on FSDP2 owner ranks: {where} (each matrix's shards go to one owner and its rows come "
+            f"back, in rounds of at most {self.round_bytes / 2**20:g} MiB per exchange buffer)"
+        )
+        self.world = world
+        # HSDP: the replicas agree too (their flags are the same), so over the whole job where the mesh spans it.
+        spans = world.replicas > 1 and world.size * world.replicas == torch.distributed.get_world_size()
+        self.agreement = make_agreement(None if spans else world.group)
         self.buffers = ExchangeBuffers()
         #: Rounds of exchanges the last step took.
         self.rounds = 0
@@ -235,21 +258,32 @@ def measure_into(
 
 
 def choose_strategy(params: Sequence[Tensor], split_ns: bool, stacks: bool = False) -> LocalStep:
-    """The strategy for these parameters under the current process group (see the module docstring).
+    """The strategy for these parameters under the current process group (see the module docstring), said
+    in one line on rank zero (a warning for a fallback that repeats the Newton-Schulz work on every rank).
 
     With ``stacks`` (some parameter holds a stack of matrices, sharded on its stack dim under FSDP2), every
     rank gathers the whole matrices instead of the owner exchange, which splits matrix rows.
     """
     strategy = _choose(params, split_ns, stacks)
     strategy.complete_state = any(is_dtensor(p) for p in params)
+    initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not initialised or torch.distributed.get_rank() == 0:
+        (rank_zero_warn if strategy.fallback else rank_zero_info)(f"Muon: {strategy.description}.")
     return strategy
 
 
 def _choose(params: Sequence[Tensor], split_ns: bool, stacks: bool) -> LocalStep:
+    several = torch.distributed.is_available() and torch.distributed.is_initialized()
+    several = several and torch.distributed.get_world_size() > 1
+    dtensors = any(is_dtensor(p) for p in params)
     if not split_ns:
-        return LocalStep()
-    sharded = None if stacks else sharded_world(params)
-    if sharded is not None:
-        return ShardedStep(sharded)
+        whole = "gathers and orthogonalises every whole matrix" if dtensors else "orthogonalises every matrix"
+        return LocalStep(f"every rank {whole} (split_ns=False)") if several or dtensors else LocalStep()
+    if dtensors:
+        stacked = "a parameter holds a stack of matrices (sharded on its stack dim)"
+        sharded = stacked if stacks else sharded_world(params)
+        if isinstance(sharded, World):
+            return ShardedStep(sharded)
+        return LocalStep(f"every rank gathers and orthogonalises every whole matrix (not split: {sharded})", several)
     replicated = replicated_world(params) if params else None
     return ReplicatedStep(replicated) if replicated is not None else LocalStep()
