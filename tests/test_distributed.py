@@ -173,6 +173,15 @@ def test_fsdp2_exchanges_in_rounds_stay_within_the_limit_and_keep_every_owner_bu
             left[job.owner] -= len(job.indices)
 
 
+def test_a_strategy_plans_again_only_when_the_work_changes():
+    planned = []
+    strategy = _strategies.LocalStep()
+    gpt, other = accelerator_buckets(GPT2_SMALL), accelerator_buckets(GPT2_SMALL[:-1])
+    for buckets in (gpt, accelerator_buckets(GPT2_SMALL), other, gpt):
+        strategy._planned(buckets, lambda: planned.append(len(planned)))
+    assert planned == [0, 1, 2]  # the second step (fresh buckets, same work) reuses the first one's plan
+
+
 def test_a_sub_bucket_keeps_its_parameters_lists_aligned():
     (bucket,) = accelerator_buckets([(4, 4)] * 5)
     part = sub_bucket(bucket, [1, 3])

@@ -22,7 +22,8 @@ all of them use the maths of `lightning_muon.optim._update`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -45,6 +46,8 @@ from lightning_muon.optim._collectives import (
 from lightning_muon.optim._plan import Job, exchange_rounds, in_bucket_order, plan_jobs, sub_bucket
 from lightning_muon.optim._update import Bucket, Chooser, ParamDiagnostics
 
+T = TypeVar("T")
+
 
 class LocalStep:
     """Every bucket orthogonalised here, bucket by bucket (DTensors gathered whole on every rank)."""
@@ -60,6 +63,8 @@ class LocalStep:
     #: Every parameter needs a momentum buffer from the first step on (DTensor parameters: a distributed
     #: checkpoint of FSDP2 resumes only when it has a state for every parameter).
     complete_state = False
+    #: ``(key, plan)`` of the last step (`_planned`).
+    _last_plan: tuple[Any, Any] | None = None
 
     def __init__(self, description: str = "Newton-Schulz runs on this process alone", fallback: bool = False) -> None:
         #: Which path the run takes, a clause for the rank-zero line of `choose_strategy`.
@@ -74,6 +79,15 @@ class LocalStep:
         if self.agreement is None:
             return flags
         return any_rank(flags, self.agreement.device or device, self.agreement.group)
+
+    def _planned(self, buckets: Sequence[Bucket], plan: Callable[[], T], limit: int = 0) -> T:
+        """``plan()``, computed again only when what a plan reads changes (the buckets' parameter counts, FLOPs
+        and exchange layouts, and the exchange ``limit``), else the last step's: a plan of a large model is
+        milliseconds of Python (1,000 matrices, 64 ranks: ~5 ms) that most steps would repeat."""
+        key = (tuple((len(b.params), b.flops, b.exchange_layout) for b in buckets), limit)
+        if self._last_plan is None or self._last_plan[0] != key:
+            self._last_plan = (key, plan())
+        return cast(T, self._last_plan[1])
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
         """Momentum, Newton-Schulz and apply for every bucket; the diagnostics of the chosen matrices."""
@@ -112,7 +126,8 @@ class ReplicatedStep(LocalStep):
         assert self.world is not None
         if not buckets:  # the same on every rank: which parameters have gradients was agreed
             return []
-        jobs = plan_jobs(buckets, self.world.size)
+        size = self.world.size
+        jobs = self._planned(buckets, lambda: plan_jobs(buckets, size))
         parts = [sub_bucket(buckets[job.bucket], job.indices) for job in jobs]
         local = {}
         for j, (job, part) in enumerate(zip(jobs, parts, strict=True)):
@@ -187,7 +202,8 @@ class ShardedStep(LocalStep):
             return []
         # The local shards (views: in-place updates reach the DTensors) do all the elementwise work.
         local = [bucket.local() for bucket in buckets]
-        rounds = exchange_rounds(buckets, plan_jobs(buckets, self.world.size), self.world.size, self.round_bytes)
+        size, limit = self.world.size, self.round_bytes
+        rounds = self._planned(buckets, lambda: exchange_rounds(buckets, plan_jobs(buckets, size), size, limit), limit)
         chosen = {} if diagnose is None else chosen_rows(buckets, diagnose)
         values = torch.zeros(len(chosen), 2, device=local[0].params[0].device)
         for jobs in rounds:
