@@ -142,9 +142,10 @@ def test_tensor_lr_is_bit_identical_to_torch():
         # the CPU default (1 MiB) stacks every same-shape matrix, and the 24x16 ones transposed with the 16x24 ones
         (None, {(6, 16, 24): 1, (20, 20): 1}),
         # room for 3 matrices of 768 bytes: 24x16 x4 -> 3 + 1, and the 1 joins 16x24 x2; 20x20 is 800 bytes, 1 exists
-        (3 * BYTES_24x16, {(3, 24, 16): 1, (3, 16, 24): 1, (20, 20): 1}),
+        # (stacks always go in wide: tall matrices transposed)
+        (3 * BYTES_24x16, {(3, 16, 24): 2, (20, 20): 1}),
         # room for 2: no bucket has room for its transposed twin
-        (2 * BYTES_24x16, {(2, 24, 16): 2, (2, 16, 24): 1, (20, 20): 1}),
+        (2 * BYTES_24x16, {(2, 16, 24): 3, (20, 20): 1}),
     ],
     ids=["default", "stacks-of-3", "stacks-of-2"],
 )

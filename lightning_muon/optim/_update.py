@@ -351,10 +351,7 @@ def orthogonalise(bucket: Bucket, updates: list[Tensor]) -> list[Tensor]:
     if len(updates) == 1:
         return [newton_schulz(group, updates[0].reshape(matrix))]
     if bucket.per_param == 1:
-        # One pass casts into the stack (torch.stack, then a cast, measured a second full copy).
-        stack = torch.empty(len(updates), *bucket.shape, dtype=ns_dtype(group), device=updates[0].device)
-        torch._foreach_copy_(list(stack.unbind(0)), [u.reshape(matrix) for u in updates])
-        return list(newton_schulz(group, stack).unbind(0))
+        return _orthogonalise_wide([bucket], [updates])[0]
     stacks = torch.cat([u.reshape(matrix) for u in updates])
     orthogonal = newton_schulz(group, stacks)
     return list(orthogonal.reshape(len(updates), bucket.per_param, *bucket.shape).unbind(0))
@@ -390,6 +387,13 @@ def orthogonalise_together(buckets: Sequence[Bucket], updates: Sequence[list[Ten
     and come back as transposed views."""
     if len(buckets) == 1:
         return [orthogonalise(buckets[0], updates[0])]
+    return _orthogonalise_wide(buckets, updates)
+
+
+def _orthogonalise_wide(buckets: Sequence[Bucket], updates: Sequence[list[Tensor]]) -> list[list[Tensor]]:
+    """One batched call on a stack of the matrices in their wide orientation: one pass casts (and transposes
+    the tall ones) into the stack, so every matmul of the iteration reads contiguous wide matrices (torch.stack,
+    then a cast, measured a second full copy; transposed operands, more copies inside the matmuls)."""
     group, (m, n) = buckets[0].group, buckets[0].shape
     wide = (min(m, n), max(m, n))
     tall = [b.shape[0] > b.shape[1] for b in buckets]
