@@ -161,9 +161,9 @@ class Muon(Optimizer):
             results are all-gathered (one copy of the updates in ``ns_dtype``); every rank still keeps
             every momentum buffer. Under FSDP2 (DTensor parameters sharded on dim 0 over one mesh) each
             matrix's shards are sent to an owner rank, which orthogonalises the whole matrix and sends
-            every rank back its rows; momentum stays sharded. ``False``: every rank does all the work, as
-            ``torch.optim.Muon`` (under FSDP2 every rank gathers and orthogonalises every whole matrix).
-            Newton-Schulz never runs on a shard.
+            every rank back its rows; momentum stays sharded (HSDP: within each replica's shard group).
+            ``False``: every rank does all the work, as ``torch.optim.Muon`` (under FSDP2 every rank
+            gathers and orthogonalises every whole matrix). Newton-Schulz never runs on a shard.
     """
 
     def __init__(
