@@ -33,7 +33,6 @@ Prints the table; with ``--write`` also writes ``benchmarks/results/optimizer_st
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 import lightning_muon
-from lightning_muon.optim._update import ns_dtype, preview_update, uses_gram
+from lightning_muon.optim._update import matrix_shape, ns_dtype, preview_update, uses_gram
 from lightning_muon.optim.muon import DEFAULT_GRAM_ASPECT
 from lightning_muon.optim.newton_schulz import (
     gram_newton_schulz,
@@ -117,7 +116,7 @@ def ns_cost(optimizer: torch.optim.Optimizer, shapes: list[tuple[int, ...]]) -> 
     group = optimizer.param_groups[0]
     total = 0
     for shape in shapes:
-        m, n = shape[0], math.prod(shape[1:])
+        m, n = matrix_shape(shape)
         total += ns_flops(m, n, group["ns_steps"], gram=uses_gram(group, (m, n)), dtype=ns_dtype(group))
     return total
 

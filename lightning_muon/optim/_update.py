@@ -139,21 +139,25 @@ def ns_dtype(group: dict[str, Any]) -> torch.dtype:
 
 def _ns_settings(group: dict[str, Any]) -> dict[str, Any]:
     """`zeropower_via_newtonschulz`'s keyword arguments for a param group."""
-    coefficients = group["ns_coefficients"]
     return {
-        "ns_coefficients": coefficients if isinstance(coefficients, str) else tuple(coefficients),
+        "ns_coefficients": group["ns_coefficients"],
         "ns_steps": group["ns_steps"],
         "eps": group["eps"],
         "dtype": ns_dtype(group),
     }
 
 
+def on_exact_path(group: dict[str, Any]) -> bool:
+    """Whether a group steps exactly as ``torch.optim.Muon`` (``ns_batch_bytes == 0``: one matrix at a time,
+    torch's kernels, no Gram iteration, no merged calls)."""
+    return group.get("ns_batch_bytes") == 0
+
+
 def uses_gram(group: dict[str, Any], shape: tuple[int, int]) -> bool:
     """Whether a group orthogonalises ``m x n`` matrices by `gram_newton_schulz`: its long side is at least
-    ``ns_gram_aspect`` times its short side (``None``: never), and the group is not on the exact path
-    (``ns_batch_bytes == 0``, one matrix at a time as ``torch.optim.Muon``)."""
+    ``ns_gram_aspect`` times its short side (``None``: never), and the group is not `on_exact_path`."""
     aspect = group.get("ns_gram_aspect")
-    if aspect is None or group.get("ns_batch_bytes") == 0:
+    if aspect is None or on_exact_path(group):
         return False
     m, n = shape
     return max(m, n) >= aspect * min(m, n)
@@ -366,7 +370,7 @@ def ns_batches(buckets: Sequence[Bucket]) -> list[list[int]]:
     open_batches: dict[tuple, tuple[list[int], int]] = {}
     for j, bucket in enumerate(buckets):
         group, (m, n) = bucket.group, bucket.shape
-        if bucket.per_param != 1 or group["ns_batch_bytes"] == 0 or is_dtensor(bucket.params[0]):
+        if bucket.per_param != 1 or on_exact_path(group) or is_dtensor(bucket.params[0]):
             batches.append([j])
             continue
         device = bucket.params[0].device

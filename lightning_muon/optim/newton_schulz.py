@@ -156,7 +156,7 @@ def zeropower_via_newtonschulz(
         X = X.mT
     if X.ndim == 2:
         # Exactly torch.optim.Muon's sequence of kernels, so the 2D path is bit-identical.
-        X.div_(X.norm().clamp(min=eps) if factor == 1.0 else (X.norm() * factor).clamp(min=eps))
+        X.div_((X.norm() * factor).clamp(min=eps))  # factor 1.0: exact, the same bits as torch
         for a, b, c in schedule:
             A = X @ X.T
             B = torch.addmm(A, A, A, beta=b, alpha=c)
