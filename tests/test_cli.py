@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightning_muon.commands.cli import main
 from lightning_muon.commands.config_files import SHIPPED, config_chain, expand_configs, shipped_configs
@@ -291,3 +292,18 @@ def test_version_without_the_sdk(monkeypatch, capsys):
     )
     main(["--version"])
     assert capsys.readouterr().out.startswith("lightning-muon ")
+
+
+def test_newton_schulz_choices_from_yaml_reach_the_optimizer(tmp_path):
+    """Polar Express and Gram off, set in a config file added to a shipped one, reach the fitted module's saved
+    hparams (YAML, since jsonargparse reads ``--...ns_gram_aspect null`` on the command line as the string 'None')."""
+    extra = tmp_path / "ns.yaml"
+    extra.write_text(
+        "model:\n  muon:\n    class_path: lightning_muon.Muon\n"
+        "    init_args: {lr: 0.02, ns_coefficients: polar_express, ns_gram_aspect: null}\n"
+    )
+    main(["fit", "--config", "gpt_muon.yaml", "--config", str(extra), *FAST, "--trainer.fast_dev_run", "false",
+          "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1"])
+    (hparams,) = Path.cwd().rglob("hparams.yaml")
+    muon = yaml.safe_load(hparams.read_text())["muon"]["init_args"]
+    assert muon["ns_coefficients"] == "polar_express" and muon["ns_gram_aspect"] is None
