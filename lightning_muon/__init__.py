@@ -2,19 +2,44 @@
 
 The public API is what this module exports; everything else (modules and names
 starting with ``_``, and the subpackages' internals) may change between releases.
+
+Names load on first use, so ``from lightning_muon import Muon`` (or ``import
+lightning_muon.optim``) needs torch only: Lightning is imported by the names that
+need it (`MuonMixin`, `MuonMonitor`, `WallClock`).
 """
 
-from lightning_muon.callbacks import MuonMonitor, WallClock
-from lightning_muon.lightning import MuonMixin
-from lightning_muon.optim import (
-    Muon,
-    ParamDiagnostics,
-    WarmupCosine,
-    adjust_lr,
-    orthogonality_error,
-    zeropower_via_newtonschulz,
-)
-from lightning_muon.routing import Routing, route_parameters
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_muon.callbacks import MuonMonitor, WallClock
+    from lightning_muon.lightning import MuonMixin
+    from lightning_muon.optim import (
+        Muon,
+        ParamDiagnostics,
+        WarmupCosine,
+        adjust_lr,
+        orthogonality_error,
+        zeropower_via_newtonschulz,
+    )
+    from lightning_muon.routing import Routing, route_parameters
+
+#: Each public name and the subpackage that defines it.
+_EXPORTS = {
+    "Muon": "lightning_muon.optim",
+    "MuonMixin": "lightning_muon.lightning",
+    "MuonMonitor": "lightning_muon.callbacks",
+    "ParamDiagnostics": "lightning_muon.optim",
+    "Routing": "lightning_muon.routing",
+    "WallClock": "lightning_muon.callbacks",
+    "WarmupCosine": "lightning_muon.optim",
+    "adjust_lr": "lightning_muon.optim",
+    "orthogonality_error": "lightning_muon.optim",
+    "route_parameters": "lightning_muon.routing",
+    "zeropower_via_newtonschulz": "lightning_muon.optim",
+}
 
 __all__ = [
     "Muon",
@@ -30,3 +55,16 @@ __all__ = [
     "zeropower_via_newtonschulz",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's subpackage on first use (PEP 562)."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lightning_muon' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import csv
 import functools
+import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
@@ -127,15 +128,21 @@ class SaveCheckpointAtEnd(L.Callback):
 
 
 class EndProcessGroup(L.Callback):
-    """After a rank's successful fit (Lightning's last hook), skip the C++ teardown at interpreter exit.
+    """After a spawned rank's successful fit (Lightning's last hook), skip the C++ teardown at interpreter exit.
 
     Under pytest, torch 2.13 + gloo now and then abort a spawned rank there, after all its work is
-    done ("terminate called without an active exception", SIGABRT; seen about once a full run). The
-    process group is destroyed cleanly and the process then leaves through ``os._exit`` from an atexit
-    hook, after Lightning has handed rank 0's results to the parent.
+    done ("terminate called without an active exception", SIGABRT; seen about once a full run, and in
+    about 1 of 10 runs of the FSDP2 config through the command, see ``test_cli.aborted_at_exit_after_fit``).
+    The process group is destroyed cleanly and the spawned process then leaves through ``os._exit`` from an
+    atexit hook, after Lightning has handed rank 0's results to the parent.
+
+    Only ever in a spawned child (``multiprocessing.parent_process()`` is set): in the process that runs
+    pytest (a ``devices=1`` fit) an exit override would replace pytest's own exit status with 0, so a
+    failing test would pass the gate (``tests/test_gate.py`` checks that it does not).
     """
 
     def teardown(self, trainer, pl_module, stage):
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        atexit.register(os._exit, 0)
+        if multiprocessing.parent_process() is not None:
+            atexit.register(os._exit, 0)

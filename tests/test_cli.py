@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,10 @@ def test_distributed_config_fits_with_two_processes(config):
     assert result.returncode == 0 or aborted_at_exit_after_fit(result), result.stderr[-3000:]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output
     assert "`Trainer.fit` stopped" in output
+    # The optimizer's path line, at INFO from rank zero only (a single process says it only at DEBUG).
+    path = {"gpt_muon_ddp.yaml": "Muon: Newton-Schulz split over 2 DDP ranks",
+            "gpt_muon_fsdp2.yaml": "Muon: Newton-Schulz on FSDP2 owner ranks: 2 ranks"}[config.name]
+    assert sum(line.startswith(path) for line in output.splitlines()) == 1, output[-3000:]
 
 
 def aborted_at_exit_after_fit(result: subprocess.CompletedProcess) -> bool:
@@ -219,12 +224,10 @@ def test_a_file_that_exists_wins_over_the_shipped_one(capsys):
     assert notes == [f"lightning-muon: other.yaml extends the shipped config {SHIPPED / 'gpt_torch_muon.yaml'}"]
 
 
-def test_a_path_with_a_directory_is_never_replaced(capsys):
-    # configs/gpt_muon.yaml (the old layout) does not exist here: LightningCLI says so, nothing is guessed
-    assert expand_configs(["--config", "configs/gpt_muon.yaml"]) == ["--config=configs/gpt_muon.yaml"]
-    with pytest.raises(SystemExit):
-        main(["fit", "--config", "configs/gpt_muon.yaml"])
-    assert "configs/gpt_muon.yaml" in capsys.readouterr().err
+def test_a_path_with_a_directory_is_never_replaced():
+    # configs/gpt_muon.yaml (the repository's path) does not exist here: it is not taken as the shipped one
+    with pytest.raises(SystemExit, match=r"^lightning-muon: no config file 'configs/gpt_muon\.yaml'"):
+        expand_configs(["--config", "configs/gpt_muon.yaml"])
 
 
 def test_configs_lists_every_shipped_config_in_one_line_each(capsys):
@@ -307,3 +310,88 @@ def test_newton_schulz_choices_from_yaml_reach_the_optimizer(tmp_path):
     (hparams,) = Path.cwd().rglob("hparams.yaml")
     muon = yaml.safe_load(hparams.read_text())["muon"]["init_args"]
     assert muon["ns_coefficients"] == "polar_express" and muon["ns_gram_aspect"] is None
+
+
+# ------------------------------------------------------------------ the main job's last line, layout, extras
+
+#: A few seconds of the main job with its logger and checkpointing (5 updates, a 200 kB corpus, one validation).
+SHORT_MAIN_JOB = ["--trainer.max_steps", "5", "--trainer.val_check_interval", "5",
+                  "--trainer.limit_val_batches", "2", "--data.init_args.max_bytes", "200000"]
+RESULT_LINE = (r"CharGPT: val_loss \d+\.\d{4}, val_bpb \d+\.\d{4} after 5 steps; "
+               r"checkpoint and metrics in lightning_logs/gpt_muon/version_0")
+
+
+@pytest.mark.slow
+def test_the_main_job_ends_with_its_result_line_under_the_default_tqdm_bar(tmp_path):
+    """Through the real command, from the repository root with its configs/ path, with tqdm's bar on (the one
+    Lightning gives a machine without rich; this one has rich, so it is asked for by name)."""
+    work = tmp_path / "clone"
+    work.mkdir()
+    (work / "configs").symlink_to(ROOT / "configs")  # the repository's layout, with outputs kept out of it
+    result = subprocess.run(
+        ["lightning-muon", "fit", "--config", "configs/gpt_muon.yaml", *SHORT_MAIN_JOB,
+         "--data.init_args.cache_dir", str(tmp_path / "cache"),
+         "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"],
+        cwd=work, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Epoch 0" in result.stdout  # the tqdm bar really ran (Lightning's writes to stdout)
+    last = result.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(RESULT_LINE, last), result.stdout[-2000:]
+    assert (work / "lightning_logs/gpt_muon/version_0/metrics.csv").is_file()
+    assert list((work / "lightning_logs/gpt_muon/version_0/checkpoints").glob("*.ckpt"))
+
+
+@pytest.mark.parametrize("bar", ["rich", "none"])
+def test_the_main_job_ends_with_its_result_line_under_any_bar(bar, capsys, tmp_path):
+    flags = ["--trainer.enable_progress_bar", "false"] if bar == "none" else [
+        "--trainer.callbacks+=lightning.pytorch.callbacks.RichProgressBar"]
+    main(["fit", "--config", "gpt_muon.yaml", *SHORT_MAIN_JOB, "--data.init_args.cache_dir",
+          str(tmp_path / "cache"), *flags])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(RESULT_LINE, lines[-1]), lines[-5:]
+
+
+def test_a_config_that_is_neither_a_file_nor_shipped_is_one_line_naming_the_shipped_ones(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "configs/gpt_muonn.yaml"])
+    message = str(exit_info.value.code)
+    assert message.startswith("lightning-muon: no config file 'configs/gpt_muonn.yaml'")
+    assert "\n" not in message
+    for config in CONFIGS:
+        assert config.name in message
+    assert capsys.readouterr().out == ""  # no usage dump
+
+
+def test_a_missing_extra_stops_before_training_naming_the_package_and_the_extra(monkeypatch, capsys):
+    import importlib.metadata
+
+    version = importlib.metadata.version
+
+    def without_sklearn(name: str) -> str:
+        if name == "scikit-learn":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", without_sklearn)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", "cnn_muon.yaml"])
+    assert exit_info.value.code == (
+        'lightning-muon: cnn_muon.yaml needs scikit-learn, which is not installed: '
+        'pip install "lightning-muon[examples]" (or pip install scikit-learn)'
+    )
+    assert not Path("lightning_logs").exists()  # nothing was trained
+    main(["configs"])
+    listing = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[: len(CONFIGS)]}
+    assert "[needs scikit-learn, in [examples]]" in listing["cnn_muon.yaml"]
+    assert "[needs" not in listing["gpt_muon.yaml"]
+
+
+def test_an_example_without_its_extra_says_which_to_install(monkeypatch):
+    from lightning_muon.examples import quickstart
+
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # `import sklearn.datasets` raises ImportError
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    with pytest.raises(ModuleNotFoundError, match=r'needs scikit-learn, which is not installed: pip install '
+                                                  r'"lightning-muon\[examples\]"'):
+        quickstart.digits()

@@ -247,15 +247,19 @@ def test_a_device_only_backend_agrees_on_a_gloo_group_of_cpu_tensors(tmp_path):
     assert ranks[0]["buffer"].abs().sum() > 0 and ranks[1]["buffer"].abs().sum() == 0
 
 
-def test_a_run_says_once_which_path_it_takes(caplog):
+@pytest.mark.parametrize("level", [logging.INFO, logging.DEBUG])
+def test_a_single_process_says_which_path_it_takes_only_at_debug(caplog, level):
+    """On one process the path line informs nobody, so it is said at DEBUG only (a distributed run says it at
+    INFO, from rank zero: `test_cli.test_distributed_config_fits_with_two_processes`)."""
     p = nn.Parameter(torch.randn(4, 4))
     p.grad = torch.ones_like(p)
     optimizer = Muon([p])
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(level, logger="lightning_muon"):
         optimizer.step()
         optimizer.step()
-    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Muon:")]
-    assert told == ["Muon: Newton-Schulz runs on this process alone."]
+    told = [(r.levelno, r.getMessage()) for r in caplog.records if r.getMessage().startswith("Muon:")]
+    assert told == ([(logging.DEBUG, "Muon: Newton-Schulz runs on this process alone.")] if level == logging.DEBUG
+                    else [])
 
 
 def test_orthogonalising_a_shard_is_not_orthogonalising_the_matrix():

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from functools import cache
 from pathlib import Path
 
 import lightning
 
-PACKAGE = Path(__file__).resolve().parents[1] / "lightning_muon"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "lightning_muon"
+#: Where each package's sources live in the checkout: the examples are the top-level ``examples/``, installed as
+#: ``lightning_muon.examples`` (pyproject.toml's ``package-dir``).
+SOURCES = {"lightning_muon": PACKAGE, "lightning_muon.examples": ROOT / "examples"}
 
 #: Layers, bottom to top: a module may import only from its own layer or lower ones.
 LAYERS = {
@@ -29,13 +35,18 @@ COMPAT = "lightning_muon.lightning._compat"
 LARGEST_CLASS = 200
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def source_files() -> dict[str, Path]:
+    """Module name -> source file, for the package and its examples."""
+    files = {}
+    for package, directory in SOURCES.items():
+        for path in sorted(directory.rglob("*.py")):
+            parts = path.relative_to(directory).with_suffix("").parts
+            files[".".join([package, *(parts[:-1] if parts[-1] == "__init__" else parts)])] = path
+    return files
 
 
 def modules() -> dict[str, ast.Module]:
-    return {module_name(p): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+    return {name: ast.parse(path.read_text()) for name, path in source_files().items()}
 
 
 def _type_checking_only(tree: ast.Module) -> set[int]:
@@ -95,6 +106,7 @@ def test_the_import_graph_has_no_circle():
     for module in sorted(graph):
         visit(module)
     assert "lightning_muon.optim._update" in graph["lightning_muon.optim._strategies"]  # the graph is real
+    assert "lightning_muon.examples.text_data" in graph["lightning_muon.examples.char_gpt"]  # examples included
 
 
 def test_no_module_imports_upward():
@@ -122,7 +134,7 @@ def lightning_private_names() -> frozenset[str]:
 @cache
 def own_names() -> frozenset[str]:
     """Every name the package itself defines: modules, functions, classes, attributes it assigns."""
-    names = {p.stem for p in PACKAGE.rglob("*.py")}
+    names = {p.stem for p in source_files().values()}
     for tree in modules().values():
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.ClassDef):
@@ -172,6 +184,33 @@ def test_no_class_is_over_200_lines():
     ]
     assert max(sizes)[0] > 100  # the measurement is real
     assert [s for s in sizes if s[0] > LARGEST_CLASS] == []
+
+
+#: Packages the optimizer and the routing never import: plain-PyTorch users of `Muon` do not pay for them.
+HEAVY = ("lightning", "pytorch_lightning", "lightning_utilities", "jsonargparse", "torchmetrics")
+
+
+def test_optim_and_routing_import_no_lightning():
+    """Statically (every import statement, function-level ones too) and at run time, in a fresh interpreter."""
+    for name, tree in modules().items():
+        if layer(name) != 0:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                targets = [node.module or ""]
+            else:
+                continue
+            assert not [t for t in targets if t.split(".")[0] in HEAVY], f"{name}:{node.lineno} imports {targets}"
+    code = (
+        "import sys\n"
+        "import lightning_muon.optim, lightning_muon.routing\n"
+        "from lightning_muon import Muon, route_parameters, orthogonality_error\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 def test_the_public_api_is_the_top_level():

@@ -1,9 +1,12 @@
 """What ships: the wheel holds the package, its examples, its configs and ``py.typed``; installed in a fresh venv
 and run from an empty directory, the shipped configs work by name.
 
-The venv is made with ``--system-site-packages`` (torch and Lightning are not installed again) and the wheel is
-installed into it with ``--force-reinstall --no-deps``, so the venv's own copy shadows any editable install of
-this project in the system site-packages; the test checks that ``lightning_muon`` really comes from the venv.
+The wheel is installed with ``--no-deps`` into a fresh venv that sees nothing else; a ``.pth`` file then appends
+the site-packages directories of the interpreter running the tests (torch and Lightning are not installed again).
+That works whether the tests run in the system interpreter, in a plain venv or in a ``--system-site-packages``
+one (``venv``'s own ``system_site_packages`` would give the base interpreter's packages, not an outer venv's).
+A ``.pth`` line only appends a directory, so the ``.pth`` files there (an editable install of this project) are
+not run, and the venv's own copy comes first on ``sys.path``; the test checks ``lightning_muon`` comes from it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import email.parser
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -30,13 +34,13 @@ SHORT_FIT = ["--trainer.max_steps", "5", "--trainer.val_check_interval", "5", "-
 
 
 def source_copy(target: Path) -> Path:
-    """What the build reads (pyproject, README, LICENSE, the package), copied: the build's own ``build/`` and
-    ``*.egg-info`` then land outside the working tree."""
+    """What the build reads (pyproject, README, LICENSE, the package, the top-level configs and examples), copied:
+    the build's own ``build/`` and ``*.egg-info`` then land outside the working tree."""
     target.mkdir(parents=True)
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, target / name)
-    shutil.copytree(ROOT / "lightning_muon", target / "lightning_muon",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("lightning_muon", "configs", "examples"):
+        shutil.copytree(ROOT / name, target / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     return target
 
 
@@ -52,9 +56,12 @@ def build_wheel(tmp_path: Path) -> Path:
 
 
 def expected_files() -> set[str]:
-    package = ROOT / "lightning_muon"
-    files = {p.relative_to(ROOT).as_posix() for p in package.rglob("*.py") if "__pycache__" not in p.parts}
-    files |= {p.relative_to(ROOT).as_posix() for p in shipped_configs()}
+    """The wheel's files: the package as it is, the top-level examples/ and configs/ inside it."""
+    files = {f"lightning_muon/{p.relative_to(ROOT / 'lightning_muon').as_posix()}"
+             for p in (ROOT / "lightning_muon").rglob("*.py") if "__pycache__" not in p.parts}
+    files |= {f"lightning_muon/examples/{p.relative_to(ROOT / 'examples').as_posix()}"
+              for p in (ROOT / "examples").rglob("*.py") if "__pycache__" not in p.parts}
+    files |= {f"lightning_muon/configs/{p.name}" for p in shipped_configs()}
     return files | {"lightning_muon/py.typed"}
 
 
@@ -62,6 +69,20 @@ def run(command: list[str], cwd: Path, env: dict[str, str], timeout: int = 300) 
     result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, f"{command} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
+
+
+def outer_site_packages() -> list[str]:
+    """The site-packages directories this interpreter reads: its venv's and, for a ``--system-site-packages``
+    venv, the base interpreter's too."""
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    return [d for d in dict.fromkeys(dirs) if Path(d).is_dir()]
+
+
+def see_outer_packages(python: Path, cwd: Path, env: dict[str, str]) -> None:
+    """Append this interpreter's site-packages to the venv of ``python`` (after the wheel is installed, so pip
+    there never sees an outer copy of this project)."""
+    inner = run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd, env).stdout
+    (Path(inner.strip()) / "outer_site_packages.pth").write_text("\n".join(outer_site_packages()) + "\n")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +102,8 @@ def test_the_wheel_holds_the_package_examples_configs_and_license(wheel):
     assert metadata["License-Expression"] == "Apache-2.0"
     assert "Typing :: Typed" in metadata.get_all("Classifier")
     requires = metadata.get_all("Requires-Dist")
-    assert "jsonargparse[signatures]>=4.27.7" in requires  # what lightning.pytorch.cli itself checks
+    # what lightning.pytorch.cli itself checks, below the 5.0 that removes what Lightning 2.6 calls
+    assert "jsonargparse[signatures]<5,>=4.27.7" in requires
     # rich only as an extra: installed, it switches every Lightning project's progress bar to RichProgressBar
     assert [r for r in requires if r.startswith("rich") and "extra ==" not in r] == []
     description = metadata.get_payload()
@@ -92,14 +114,15 @@ def test_the_wheel_holds_the_package_examples_configs_and_license(wheel):
 @pytest.mark.slow
 def test_the_installed_wheel_runs_the_shipped_configs_from_an_empty_directory(wheel, tmp_path):
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
+    venv.EnvBuilder(with_pip=True).create(env_dir)
     bin_dir = env_dir / ("Scripts" if os.name == "nt" else "bin")
     python = bin_dir / "python"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     work = tmp_path / "empty"
     work.mkdir()
-    run([str(python), "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(wheel)], work, env)
+    run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], work, env)
+    see_outer_packages(python, work, env)
 
     where = run([str(python), "-c", "import lightning_muon; print(lightning_muon.__file__)"], work, env).stdout
     assert Path(where.strip()).is_relative_to(env_dir), f"lightning_muon imported from {where}, not the wheel"

@@ -1,4 +1,4 @@
-"""lightning_muon/examples/quickstart.py: the plain-PyTorch tour of routing, Muon and its diagnostics."""
+"""examples/quickstart.py (lightning_muon.examples.quickstart): the plain-PyTorch tour of routing and Muon."""
 
 from __future__ import annotations
 

@@ -16,6 +16,11 @@ the configs that ship with the package; ``--config NAME`` takes one of them by
 name from any directory when no file ``NAME`` exists there
 (`lightning_muon.commands.config_files`).
 
+``convert-checkpoint`` turns an FSDP2 distributed checkpoint into one file that a
+one-process or DDP fit resumes from (`lightning_muon.commands.convert`).
+``lightning-muon --help`` (or no argument at all) prints the overview of all of
+them (`overview`); ``lightning-muon SUBCOMMAND --help`` each one's options.
+
 ``lightning`` is the same command. The separate ``lightning-sdk`` package
 installs a ``lightning`` command of its own for its cloud commands: given a
 subcommand that is not ours, ours hands the call to it unchanged when it is
@@ -63,9 +68,11 @@ def _convert(argv: list[str], from_command_line: bool) -> None:
     convert(argv)
 
 
-#: Every subcommand and what runs it (the rest of the command line is its argv). ``None``: no subcommand
-#: (``--help``, ``--config``...), which LightningCLI answers.
-COMMANDS: dict[str | None, Callable[[list[str], bool], None]] = {
+#: Every subcommand and what runs it: LightningCLI's four get the whole command line (subcommand included), the
+#: others the rest of it after their name. No subcommand: ``--help``, ``-h`` and no argument at all get `overview`,
+#: ``--version`` and ``-V`` `_version`; any other first argument starting with ``-`` (``--config FILE fit``...) goes
+#: to LightningCLI as it is.
+COMMANDS: dict[str, Callable[[list[str], bool], None]] = {
     "fit": _lightning_cli,
     "validate": _lightning_cli,
     "test": _lightning_cli,
@@ -76,6 +83,43 @@ COMMANDS: dict[str | None, Callable[[list[str], bool], None]] = {
     "convert-checkpoint": _convert,
 }
 
+#: LightningCLI's subcommands: they get the whole command line.
+LIGHTNING_CLI_COMMANDS = ("fit", "validate", "test", "predict")
+
+#: One line per subcommand for `overview` (from each one's module docstring).
+SUMMARIES: dict[str, str] = {
+    "fit": "train a model (LightningCLI's: any model and data module by class_path, from --config files)",
+    "validate": "one evaluation epoch over the validation set (LightningCLI's)",
+    "test": "one evaluation epoch over the test set (LightningCLI's)",
+    "predict": "run inference on the data and collect the predictions (LightningCLI's)",
+    "inspect": "a config's parameter routing and effective learning rates, without training",
+    "compare": "fit several configs, then plot and tabulate their validation loss by step and by time",
+    "configs": "the configs that ship with the package, one line each; --copy NAME to edit one",
+    "convert-checkpoint": "an FSDP2 distributed checkpoint as one file, for one process or DDP",
+}
+
+
+def overview() -> str:
+    """The command's own help: a usage line naming every subcommand, one line on each, where to read more."""
+    width = max(len(name) for name in COMMANDS) + 2
+    lines = [
+        f"usage: lightning-muon [-h] [-V] {{{','.join(COMMANDS)}}} ...",
+        "",
+        "Train LightningModules with Muon (hidden matrices) + AdamW (the rest).",
+        "",
+        "subcommands:",
+        *(f"  {name:<{width}}{SUMMARIES[name]}" for name in COMMANDS),
+        "",
+        "options:",
+        f"  {'-h, --help':<{width}}this overview",
+        f"  {'-V, --version':<{width}}the versions of lightning-muon and lightning",
+        "",
+        "lightning-muon SUBCOMMAND --help for its options. For example:",
+        "  lightning-muon fit --config gpt_muon.yaml      # a shipped config by name (see lightning-muon configs)",
+        "  lightning-muon inspect --config gpt_muon.yaml  # where each parameter goes, before training",
+    ]
+    return "\n".join(lines) + "\n"
+
 
 def _hand_over_to_lightning_sdk(argv: list[str]) -> None:
     """Run lightning-sdk's ``lightning`` command with the same arguments."""
@@ -85,6 +129,7 @@ def _hand_over_to_lightning_sdk(argv: list[str]) -> None:
 
 
 def _sdk_installed() -> bool:
+    """Whether lightning-sdk (which installs a ``lightning`` command of its own) is importable."""
     return importlib.util.find_spec("lightning_sdk") is not None
 
 
@@ -104,37 +149,38 @@ def _version() -> None:
         _hand_over_to_lightning_sdk(["--version"])
 
 
-def _help(argv: list[str], from_command_line: bool) -> None:
-    """``--help``: ours, then lightning-sdk's when it is installed (its subcommands are handed over to it)."""
-    try:
-        _lightning_cli(argv, from_command_line)
-    except SystemExit as exit_info:
-        if exit_info.code not in (0, None) or not _sdk_installed():
-            raise
-    sys.stdout.flush()
-    print("\nlightning-sdk is installed too: `lightning` hands it every other subcommand. Its help:\n", flush=True)
-    _hand_over_to_lightning_sdk(["--help"])
+def _help() -> None:
+    """``--help``: ours (`overview`), then lightning-sdk's when it is installed (its subcommands are handed over to
+    it)."""
+    print(overview(), end="", flush=True)
+    if _sdk_installed():
+        print("\nlightning-sdk is installed too: `lightning` hands it every other subcommand. Its help:\n", flush=True)
+        _hand_over_to_lightning_sdk(["--help"])
 
 
 def main(args: Sequence[str] | None = None) -> None:
     """Entry point of ``lightning``, ``lightning-muon`` and ``python -m lightning_muon``."""
     argv = list(sys.argv[1:] if args is None else args)
     command = argv[0] if argv else None
+    if command is None:  # like argparse without its required subcommand: the overview, on stderr, and 2
+        print(overview(), file=sys.stderr)
+        print("lightning-muon: error: no subcommand given", file=sys.stderr)
+        raise SystemExit(2)
     if argv in (["--version"], ["-V"]):
         _version()
     elif argv in (["--help"], ["-h"]):
-        _help(argv, args is None)
-    elif command is None or command.startswith("-"):
+        _help()
+    elif command.startswith("-"):  # LightningCLI's own top-level options: --config FILE fit, --help fit...
         _lightning_cli(argv, args is None)
-    elif command in ("inspect", "compare", "configs", "convert-checkpoint"):
-        COMMANDS[command](argv[1:], args is None)
-    elif command in COMMANDS:
+    elif command in LIGHTNING_CLI_COMMANDS:
         COMMANDS[command](argv, args is None)
+    elif command in COMMANDS:
+        COMMANDS[command](argv[1:], args is None)
     elif _sdk_installed():
         _hand_over_to_lightning_sdk(argv)
     else:
         print(
-            f"lightning-muon: unknown subcommand {command!r}. Choose from {', '.join(c for c in COMMANDS if c)}; "
+            f"lightning-muon: unknown subcommand {command!r}. Choose from {', '.join(COMMANDS)}; "
             "for example: lightning-muon fit --config gpt_muon.yaml",
             file=sys.stderr,
         )

@@ -2,12 +2,21 @@
 LightningCLI merges.
 
 A config path that exists is used as is; otherwise a bare name (``gpt_muon.yaml``, or ``gpt_muon``) is the config
-of that name shipped in ``lightning_muon/configs/``, and the command says so in one line on stderr. A
-``# extends:`` base resolves the same way, relative to the file that names it first.
+of that name shipped with the package, and the command says so in one line on stderr. A ``# extends:`` base
+resolves the same way, relative to the file that names it first. A config that is neither is one short error
+listing the shipped names.
+
+The shipped configs are the repository's top-level ``configs/``: installed from a wheel they are
+``lightning_muon/configs/`` (the package data), in a source checkout ``configs/`` beside ``lightning_muon/``.
+
+A config may name what it needs beyond the core dependencies in a comment line, ``# requires: scikit-learn
+[examples]`` (a distribution and the extra that installs it): the command stops before training when one is
+missing, with one line saying what to install.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import sys
@@ -17,9 +26,17 @@ from typing import Any
 import yaml
 
 _EXTENDS = re.compile(r"^#\s*extends:\s*(\S+)\s*$", re.MULTILINE)
+_REQUIRES = re.compile(r"^#\s*requires:\s*(\S+)\s*\[(\S+)\]\s*$", re.MULTILINE)
+
+
+def _shipped_directory() -> Path:
+    package = Path(__file__).resolve().parents[1]
+    installed = package / "configs"  # a wheel's package data
+    return installed if installed.is_dir() else package.parent / "configs"  # a checkout (editable install)
+
 
 #: The configs that ship with the package (``lightning-muon configs`` lists them).
-SHIPPED = Path(__file__).resolve().parents[1] / "configs"
+SHIPPED = _shipped_directory()
 
 
 def shipped_configs() -> list[Path]:
@@ -54,13 +71,39 @@ def resolve_config(path: str | os.PathLike, notes: list[str] | None = None) -> P
 
 
 def first_comment(path: Path) -> str:
-    """The first ``#`` line of a config that is not ``# extends:``, without the ``#`` (its one-line summary)."""
+    """The first ``#`` line of a config that is not ``# extends:`` or ``# requires:``, without the ``#`` (its
+    one-line summary)."""
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        if not _EXTENDS.match(line):
+        if not _EXTENDS.match(line) and not _REQUIRES.match(line):
             return line.lstrip("#").strip()
     return ""
+
+
+def requires(path: Path) -> list[tuple[str, str]]:
+    """What a config names in its ``# requires: DISTRIBUTION [EXTRA]`` lines, as (distribution, extra) pairs."""
+    return _REQUIRES.findall(path.read_text())
+
+
+def missing_requirements(chain: list[Path]) -> list[str]:
+    """One line for each distribution that a config of ``chain`` requires and that is not installed."""
+    lines = []
+    for path in chain:
+        for distribution, extra in requires(path) if path.is_file() else []:
+            try:
+                importlib.metadata.version(distribution)
+            except importlib.metadata.PackageNotFoundError:
+                lines.append(f"lightning-muon: {path.name} needs {distribution}, which is not installed: "
+                             f'pip install "lightning-muon[{extra}]" (or pip install {distribution})')
+    return lines
+
+
+def not_found(path: str | os.PathLike) -> str:
+    """The one-line error for a config that is neither a file nor a shipped name."""
+    names = ", ".join(p.name for p in shipped_configs())
+    return (f"lightning-muon: no config file {str(path)!r} (looked in {Path.cwd()}) and no shipped config of that "
+            f"name; the shipped ones: {names} (e.g. --config gpt_muon.yaml; lightning-muon configs lists them)")
 
 
 def extends(path: Path) -> list[str]:
@@ -80,8 +123,10 @@ def config_chain(path: str | os.PathLike, _seen: tuple[Path, ...] = (), notes: l
         raise ValueError(f"config {path} extends itself through {' -> '.join(map(str, _seen))}")
     try:
         text = path.read_text()
+    except FileNotFoundError:
+        raise SystemExit(not_found(path)) from None
     except OSError:
-        return [path]  # LightningCLI reports a missing file in its own words
+        return [path]  # LightningCLI reports an unreadable file in its own words
     chain: list[Path] = []
     for base in _EXTENDS.findall(text):
         relative = path.parent / base
@@ -110,7 +155,11 @@ def expand_configs(argv: list[str], quiet: bool = False) -> list[str]:
         if path is None:
             expanded.append(arg)
         else:
-            expanded += [f"--config={p}" for p in config_chain(path, notes=notes)]
+            chain = config_chain(path, notes=notes)
+            missing = missing_requirements(chain)
+            if missing:
+                raise SystemExit("\n".join(missing))
+            expanded += [f"--config={p}" for p in chain]
     if notes and not quiet:
         print("\n".join(notes), file=sys.stderr)
     return expanded

@@ -11,7 +11,14 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_muon.commands.config_files import SHIPPED, extends, first_comment, shipped_config, shipped_configs
+from lightning_muon.commands.config_files import (
+    SHIPPED,
+    extends,
+    first_comment,
+    requires,
+    shipped_config,
+    shipped_configs,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,13 +34,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def listing() -> list[str]:
-    """One line per shipped config: its name, what it extends, its summary."""
+    """One line per shipped config: its name, what it extends, what it needs beyond the core dependencies (and
+    the extra that installs it), its summary."""
     files = shipped_configs()
     width = max(len(p.name) for p in files)
     lines = []
     for path in files:
         bases = extends(path)
         summary = first_comment(path)
+        needs = ", ".join(f"{distribution}, in [{extra}]" for distribution, extra in requires(path))
+        if needs:
+            summary = f"[needs {needs}] {summary}"
         if bases:
             summary = f"[extends {', '.join(bases)}] {summary}"
         lines.append(f"{path.name:<{width}}  {summary}")

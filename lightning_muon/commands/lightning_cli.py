@@ -10,11 +10,7 @@ from lightning.pytorch.cli import LightningCLI
 
 DESCRIPTION = (
     "Train LightningModules with Muon (hidden matrices) + AdamW (the rest). "
-    "Subcommands: fit, validate, test, predict (LightningCLI's); inspect "
-    "(print a config's parameter routing without training: lightning-muon inspect --config FILE); compare "
-    "(fit several configs, then plot and tabulate their validation loss by step and by wall-clock time: "
-    "lightning-muon compare CONFIG CONFIG [--out DIR]; see lightning-muon compare --help); configs (list the "
-    "configs shipped with the package; --config NAME takes one by name from any directory)."
+    "lightning-muon --help lists every subcommand (inspect, compare, configs, convert-checkpoint too)."
 )
 
 

@@ -2,8 +2,10 @@
 
 Layers, bottom to top: `newton_schulz` (pure batched functions), ``_collectives``
 (process groups and byte exchanges), ``_update`` (momentum, orthogonalise, apply,
-diagnostics on buckets of same-shape matrices), ``_strategies`` (local, DDP-split,
-FSDP2-owner), `muon` (the optimizer class). `schedulers` stands apart.
+diagnostics on buckets of same-shape matrices), ``_plan`` (which rank orthogonalises
+which matrices, exchange rounds), ``_strategies`` (local, DDP-split, FSDP2-owner),
+`muon` (the optimizer class). `schedulers` stands apart. Nothing here imports
+Lightning (``tests/test_layout.py`` checks it).
 """
 
 from lightning_muon.optim.muon import Muon, ParamDiagnostics, adjust_lr

@@ -14,7 +14,8 @@
 
 Owners are assigned per parameter, each bucket cut into one job per owner
 (`lightning_muon.optim._plan`), so the split does not depend on ``ns_batch_bytes``.
-Every run says which path it takes in one rank-zero line, at its first step.
+A distributed run says which path it takes in one rank-zero line at its first step (the ``lightning_muon``
+logger at INFO; a fallback is a warning); a single process says it only at DEBUG.
 
 Each strategy owns its owners, exchange buffers, byte count and diagnostics;
 all of them use the maths of `lightning_muon.optim._update`.
@@ -22,11 +23,12 @@ all of them use the maths of `lightning_muon.optim._update`.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_muon.optim import _update
@@ -273,9 +275,13 @@ def measure_into(
             values[rows] = torch.stack([errors, rms], dim=1)
 
 
+_log = logging.getLogger("lightning_muon")
+
+
 def choose_strategy(params: Sequence[Tensor], split_ns: bool, stacks: bool = False) -> LocalStep:
     """The strategy for these parameters under the current process group (see the module docstring), said
-    in one line on rank zero (a warning for a fallback that repeats the Newton-Schulz work on every rank).
+    in one line on rank zero: at INFO where the work could be split (several ranks, or DTensor parameters), at
+    DEBUG on a single process, and as a warning for a fallback that repeats the Newton-Schulz work on every rank.
 
     With ``stacks`` (some parameter holds a stack of matrices, sharded on its stack dim under FSDP2), every
     rank gathers the whole matrices instead of the owner exchange, which splits matrix rows.
@@ -283,8 +289,14 @@ def choose_strategy(params: Sequence[Tensor], split_ns: bool, stacks: bool = Fal
     strategy = _choose(params, split_ns, stacks)
     strategy.complete_state = any(is_dtensor(p) for p in params)
     initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not initialised or torch.distributed.get_rank() == 0:
-        (rank_zero_warn if strategy.fallback else rank_zero_info)(f"Muon: {strategy.description}.")
+    if initialised and torch.distributed.get_rank() != 0:
+        return strategy
+    message = f"Muon: {strategy.description}."
+    if strategy.fallback:
+        warnings.warn(message, UserWarning, stacklevel=4)  # at the caller of Muon.step
+    else:
+        several = initialised and torch.distributed.get_world_size() > 1
+        _log.log(logging.INFO if several or strategy.complete_state else logging.DEBUG, message)
     return strategy
 
 

@@ -209,6 +209,84 @@ def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon
     return MUON, "hidden", f"{count} stacked matrices {shape[-2]}x{shape[-1]}, each orthogonalised", "stack"
 
 
+@dataclass(frozen=True)
+class _Role:
+    """What a parameter's modules say about it: its own module, and the roles that decide before its shape."""
+
+    module: nn.Module
+    #: The name under which it is an embedding's weight (tied), or None.
+    embedding: str | None
+    #: The output head module it belongs to, or None.
+    head: str | None
+    #: Whether it is the input layer's weight.
+    is_input: bool
+
+
+def _module_of(alias: str) -> str:
+    return alias.rsplit(".", 1)[0] if "." in alias else ""
+
+
+def _role(name: str, owners: list[tuple[str, nn.Module]], heads: Sequence[str], input_layer: str | None) -> _Role:
+    """The `_Role` of parameter ``name``, owned (under every alias of a tied weight) by ``owners``."""
+    own_module = next(mod for alias, mod in owners if alias == name)
+    return _Role(
+        module=own_module,
+        embedding=next((alias for alias, mod in owners if isinstance(mod, _roles.EMBEDDINGS)), None),
+        head=next((_module_of(alias) for alias, _ in owners if _module_of(alias) in heads), None),
+        is_input=name.rsplit(".", 1)[-1] == "weight" and input_layer is not None and _module_of(name) == input_layer,
+    )
+
+
+def _matched(patterns: Sequence[str], aliases: Sequence[str]) -> str | None:
+    """The first pattern that matches any of a parameter's names."""
+    return next((pat for pat in patterns if any(fnmatch.fnmatchcase(a, pat) for a in aliases)), None)
+
+
+_RouteFields = tuple[str, str, str, str]  # optimizer, group, reason, layout
+
+
+def _pattern_route(name: str, p: Tensor, role: _Role, by_layout: _RouteFields, to_muon: str | None,
+                   to_adamw: str | None, muon_nd: bool) -> _RouteFields:
+    """Precedence 1: a user pattern decides (both matching, or a tensor Muon cannot take, is an error)."""
+    if to_muon and to_adamw:
+        raise ValueError(
+            f"parameter `{name}` matches muon_params pattern {to_muon!r} and adamw_params pattern "
+            f"{to_adamw!r}; make the patterns disjoint"
+        )
+    if to_muon:
+        if p.ndim < 2 or (p.ndim > 2 and not muon_nd):
+            need = "at least 2" if p.ndim < 2 else "exactly 2 (this Muon class is 2D-only)"
+            raise ValueError(
+                f"muon_params pattern {to_muon!r} matches `{name}` of shape {tuple(p.shape)}, but Muon needs "
+                f"{need} dimensions; narrow the pattern"
+            )
+        optimizer, _, _, layout = by_layout
+        if optimizer != MUON:  # a table forced onto Muon: a matrix, or a stack of them
+            layout = "stack" if p.ndim > 2 else "flatten"
+        return MUON, "hidden", f"matches muon_params {to_muon!r}", layout
+    group = "other" if p.ndim >= 2 else "norms_and_biases"
+    group = "embeddings" if role.embedding else "head" if role.head else "input" if role.is_input else group
+    return ADAMW, group, f"matches adamw_params {to_adamw!r}", "flatten"
+
+
+def _role_route(role: _Role) -> _RouteFields | None:
+    """Precedence 2-5: module type, a tie to an embedding, the output head, the input layer; None if no role."""
+    module = role.module
+    if isinstance(module, _roles.EMBEDDINGS):
+        return ADAMW, "embeddings", f"{type(module).__name__} weight", "flatten"
+    if _roles.is_norm(module):
+        return ADAMW, "norms_and_biases", f"norm layer ({type(module).__name__})", "flatten"
+    if role.embedding:
+        return ADAMW, "embeddings", f"tied to embedding `{role.embedding}`", "flatten"
+    if role.head:
+        return ADAMW, "head", f"output head `{role.head}`", "flatten"
+    if role.is_input:
+        channels = getattr(module, "in_channels", "?")
+        plural = "" if channels == 1 else "s"
+        return ADAMW, "input", f"input layer ({type(module).__name__} on {channels} input channel{plural})", "flatten"
+    return None
+
+
 def route_parameters(
     module: nn.Module,
     *,
@@ -252,57 +330,14 @@ def route_parameters(
 
     routes = []
     for name, p in trainable.items():
-        shape = tuple(p.shape)
-
-        def matched(patterns: Sequence[str], name: str = name) -> str | None:
-            return next((pat for pat in patterns if any(fnmatch.fnmatchcase(a, pat) for a in aliases[name])), None)
-
-        def module_of(alias: str) -> str:
-            return alias.rsplit(".", 1)[0] if "." in alias else ""
-
-        to_muon, to_adamw = matched(muon_params), matched(adamw_params)
-        own_module = next(mod for alias, mod in owners[id(p)] if alias == name)
-        param_name = name.rsplit(".", 1)[-1]
-        embedding = next((alias for alias, mod in owners[id(p)] if isinstance(mod, _roles.EMBEDDINGS)), None)
-        head = next((module_of(alias) for alias, _ in owners[id(p)] if module_of(alias) in heads), None)
-        is_input = param_name == "weight" and input_layer is not None and module_of(name) == input_layer
-        optimizer, group, reason, layout = _layout_route(name, p, own_module, param_name, muon_nd)
-
-        if to_muon and to_adamw:
-            raise ValueError(
-                f"parameter `{name}` matches muon_params pattern {to_muon!r} and adamw_params pattern "
-                f"{to_adamw!r}; make the patterns disjoint"
-            )
-        if to_muon:
-            if p.ndim < 2 or (p.ndim > 2 and not muon_nd):
-                need = "at least 2" if p.ndim < 2 else "exactly 2 (this Muon class is 2D-only)"
-                raise ValueError(
-                    f"muon_params pattern {to_muon!r} matches `{name}` of shape {shape}, but Muon needs "
-                    f"{need} dimensions; narrow the pattern"
-                )
-            if optimizer != MUON:  # a table forced onto Muon: a matrix, or a stack of them
-                layout = "stack" if p.ndim > 2 else "flatten"
-            route = (MUON, "hidden", f"matches muon_params {to_muon!r}", layout)
-        elif to_adamw:
-            group = "other" if p.ndim >= 2 else "norms_and_biases"
-            group = "embeddings" if embedding else "head" if head else "input" if is_input else group
-            route = (ADAMW, group, f"matches adamw_params {to_adamw!r}", "flatten")
-        elif isinstance(own_module, _roles.EMBEDDINGS):
-            route = (ADAMW, "embeddings", f"{type(own_module).__name__} weight", "flatten")
-        elif _roles.is_norm(own_module):
-            route = (ADAMW, "norms_and_biases", f"norm layer ({type(own_module).__name__})", "flatten")
-        elif embedding:
-            route = (ADAMW, "embeddings", f"tied to embedding `{embedding}`", "flatten")
-        elif head:
-            route = (ADAMW, "head", f"output head `{head}`", "flatten")
-        elif is_input:
-            channels = getattr(own_module, "in_channels", "?")
-            kind = type(own_module).__name__
-            plural = "" if channels == 1 else "s"
-            route = (ADAMW, "input", f"input layer ({kind} on {channels} input channel{plural})", "flatten")
+        role = _role(name, owners[id(p)], heads, input_layer)
+        to_muon, to_adamw = (_matched(patterns, aliases[name]) for patterns in (muon_params, adamw_params))
+        by_layout = _layout_route(name, p, role.module, name.rsplit(".", 1)[-1], muon_nd)
+        if to_muon or to_adamw:
+            route = _pattern_route(name, p, role, by_layout, to_muon, to_adamw, muon_nd)
         else:
-            route = (optimizer, group, reason, layout)
-        routes.append(Route(name, shape, *route))
+            route = _role_route(role) or by_layout
+        routes.append(Route(name, tuple(p.shape), *route))
 
     routed = [r.name for r in routes]
     if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's

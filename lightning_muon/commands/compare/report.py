@@ -138,7 +138,7 @@ def markdown_report(
         + (f" {target:.4f} is the target of the \"steps to\" column: the first validation at or below it"
            " (\"not reached\": none)." if target is not None else " is unknown (it logged no val_loss)."),
         "Steps are optimizer updates. Train time is the wall-clock time of training with validation left out "
-        "(`time/train_s` of `lightning_muon.clock.WallClock`); wall time is from the start of training to its "
+        "(`time/train_s` of `lightning_muon.WallClock`); wall time is from the start of training to its "
         "end, validation included. tokens/s is the tokens seen (all ranks) over the train time.",
     ]
     if notes:

@@ -199,6 +199,26 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     """``lightning-muon compare``: fit, read the logs, write ``comparison.png`` and ``.md``, print the table."""
     argv = list(sys.argv[2:] if argv is None else argv)
     own, overrides = split_overrides(argv)
+    args = _checked_arguments(own)
+    console = _Console()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    runs, fit_lines = fit_all(args, overrides, out / "lightning_logs", console)  # a name .gitignore usually ignores
+    runs = _uniquely_named([*runs, *(load_run(log_dir) for log_dir in args.from_logs)])
+    for run in runs:
+        if not run.val_loss:
+            console.print(f"compare: {run.name} logged no {VAL_LOSS} ({run.source})")
+    notes = [_machine_note(load_before), *(f"Fitted {line}" for line in fit_lines)]
+    notes += [f"{run.name}: read from {run.source}." for run in runs[len(args.configs):]]
+    rows, target, png = write_report(runs, args.baseline, out, shlex.join(["lightning-muon", "compare", *argv]), notes)
+    console.table(rows, target)
+    console.print(f"Wrote {png} and {out / 'comparison.md'}")
+    return rows
+
+
+def _checked_arguments(own: list[str]) -> argparse.Namespace:
+    """compare's own arguments, parsed; bad ones (and a missing matplotlib) stop before any fit runs."""
     parser = _parser()
     args = parser.parse_args(own)
     if not args.configs and not args.from_logs:
@@ -207,63 +227,66 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         parser.error("--val_points and --max_steps must be >= 1")
     if importlib.util.find_spec("matplotlib") is None:  # found out now, not after every fit has run
         parser.error("compare draws its plot with matplotlib: pip install matplotlib (or 'lightning-muon[compare]')")
-    console = _Console()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    log_root = out / "lightning_logs"  # a name .gitignore files usually ignore
-    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return args
 
+
+def fit_all(
+    args: argparse.Namespace, overrides: list[str], log_root: Path, console: _Console
+) -> tuple[list[Run], list[str]]:
+    """Fit every config in a subprocess of its own (``lightning-muon fit``), logging under ``log_root``; the
+    runs read back, and one line per fit with its command."""
     runs: list[Run] = []
     fit_lines: list[str] = []
     for config, name in zip(args.configs, _unique_names(args.configs), strict=True):
         fit_args = fit_arguments(config, log_root, name, overrides, args.max_steps, args.val_points)
-        fit_lines.append(f"{name}: `{shlex.join(['lightning-muon', 'fit', *fit_args])}`")
+        shown = shlex.join(["lightning-muon", "fit", *fit_args])
+        fit_lines.append(f"{name}: `{shown}`")
         shutil.rmtree(log_root / name, ignore_errors=True)
-        command = [sys.executable, "-m", "lightning_muon", "fit", *fit_args]
         console.rule(f"compare: fitting {name}")
-        console.print(shlex.join(["lightning-muon", "fit", *fit_args]))
-        result = subprocess.run(command)
+        console.print(shown)
+        result = subprocess.run([sys.executable, "-m", "lightning_muon", "fit", *fit_args])
         if result.returncode != 0:
             raise SystemExit(
                 f"lightning-muon compare: the fit of {config} failed (exit code {result.returncode}); "
-                f"run it alone to see why: {shlex.join(['lightning-muon', 'fit', *fit_args])}"
+                f"run it alone to see why: {shown}"
             )
         runs.append(load_run(log_root / name, name))
-    for log_dir in args.from_logs:
-        runs.append(load_run(log_dir))
-    names = [r.name for r in runs]
-    for i, run in enumerate(runs):
-        if names.count(run.name) > 1:
-            runs[i] = replace(run, name=f"{run.name}-{names[: i + 1].count(run.name)}")
-    for run in runs:
-        if not run.val_loss:
-            console.print(f"compare: {run.name} logged no {VAL_LOSS} ({run.source})")
+    return runs, fit_lines
 
-    baseline = baseline_index(runs, args.baseline)
-    if args.baseline is not None:
+
+def _uniquely_named(runs: list[Run]) -> list[Run]:
+    """``runs`` with a ``-2``, ``-3``... after each repeated name."""
+    names = [r.name for r in runs]
+    return [replace(run, name=f"{run.name}-{names[: i + 1].count(run.name)}") if names.count(run.name) > 1 else run
+            for i, run in enumerate(runs)]
+
+
+def _machine_note(load_before: tuple[float, float, float] | None) -> str:
+    return (
+        f"Machine: {os.cpu_count()} CPU cores, {platform.platform(terse=True)}, Python {platform.python_version()}"
+        + _versions()
+        + (f"; load average (1/5/15 min) {_load(load_before)} before, {_load(os.getloadavg())} after"
+           if load_before else "")
+        + ". Times are noisy when other work shares the machine."
+    )
+
+
+def write_report(runs: list[Run], chosen: str | None, out: Path, command: str,
+                 notes: list[str]) -> tuple[list[Row], float | None, Path]:
+    """``comparison.png`` and ``comparison.md`` in ``out``, against the baseline (``chosen`` with --baseline,
+    else the run whose model has ``muon: null``, else the last); the table's rows and target loss, the plot."""
+    baseline = baseline_index(runs, chosen)
+    if chosen is not None:
         reason = "chosen with --baseline"
     elif runs[baseline].muon is False:
         reason = "its model has muon: null"
     else:
         reason = "the last run: no run's model has muon: null"
-    notes = [
-        f"Machine: {os.cpu_count()} CPU cores, {platform.platform(terse=True)}, Python {platform.python_version()}"
-        + _versions()
-        + (f"; load average (1/5/15 min) {_load(load_before)} before, {_load(os.getloadavg())} after"
-           if load_before else "")
-        + ". Times are noisy when other work shares the machine.",
-    ]
-    notes += [f"Fitted {line}" for line in fit_lines]
-    for run in runs[len(args.configs):]:
-        notes.append(f"{run.name}: read from {run.source}.")
     png = plot_comparison(runs, baseline, out / "comparison.png")
-    compare_command = shlex.join(["lightning-muon", "compare", *argv])
-    report = markdown_report(runs, baseline, compare_command, notes, image=png.name, baseline_reason=reason)
+    report = markdown_report(runs, baseline, command, notes, image=png.name, baseline_reason=reason)
     (out / "comparison.md").write_text(report)
     rows, target = summarize(runs, baseline)
-    console.table(rows, target)
-    console.print(f"Wrote {png} and {out / 'comparison.md'}")
-    return rows
+    return rows, target, png
 
 
 class _Console:

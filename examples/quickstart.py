@@ -17,14 +17,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from lightning_muon import Muon
+from lightning_muon.examples._extras import sklearn_digits
 from lightning_muon.routing import ADAMW, MUON, route_parameters
 
 
 def digits(seed: int = 0) -> tuple[torch.Tensor, ...]:
     """scikit-learn's 1,797 digits, scaled to [0, 1], split 80/20 deterministically."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
+    data = sklearn_digits()
     x = torch.tensor(data.data, dtype=torch.float32) / 16.0
     y = torch.tensor(data.target)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))

@@ -16,6 +16,8 @@ bits per byte (``val_bpb``)::
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -175,12 +177,45 @@ class GPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3, betas=(0.9, 0.95))
 
     def on_fit_end(self) -> None:
-        metrics = self.trainer.callback_metrics
-        if "val_loss" in metrics:
-            self.print(
-                f"{type(self).__name__.removeprefix('FSDP')}: val_loss {float(metrics['val_loss']):.4f}, "
-                f"val_bpb {float(metrics['val_bpb']):.4f} after {self.trainer.global_step} steps"
-            )
+        """A fit that ended well has its result line (`result_line`), printed at `teardown`."""
+        self._result_line = result_line(self.trainer, type(self).__name__.removeprefix("FSDP"))
+
+    def teardown(self, stage: str) -> None:
+        """The result line, one plain ``print`` on rank zero, after every callback's teardown: by then tqdm's bar
+        is closed (``self.print`` would write through it and be lost) and rich's live display has stopped (a line
+        printed before would sit above its last frame)."""
+        super().teardown(stage)
+        line, self._result_line = getattr(self, "_result_line", ""), ""
+        if stage == "fit" and line and self.trainer.is_global_zero:
+            print(line, flush=True)
+
+
+def result_line(trainer: L.Trainer, name: str) -> str:
+    """``NAME: val_loss 1.7090, val_bpb 2.4655 after 300 steps; checkpoint and metrics in DIR`` ("" before any
+    validation): the logger's directory and the checkpoint directory, relative to the working directory."""
+    metrics = trainer.callback_metrics
+    if "val_loss" not in metrics:
+        return ""
+    line = (f"{name}: val_loss {float(metrics['val_loss']):.4f}, val_bpb {float(metrics['val_bpb']):.4f} "
+            f"after {trainer.global_step} steps")
+    logs = _shown(trainer.log_dir) if trainer.logger is not None else None
+    checkpoint = trainer.checkpoint_callback
+    saved = _shown(getattr(checkpoint, "dirpath", None)) if checkpoint is not None else None
+    if logs and saved and Path(saved).is_relative_to(logs):
+        return f"{line}; checkpoint and metrics in {logs}"
+    where = [f"metrics in {logs}"] if logs else []
+    where += [f"checkpoints in {saved}"] if saved else []
+    return f"{line}; {', '.join(where)}" if where else line
+
+
+def _shown(path: str | os.PathLike | None) -> str | None:
+    """``path`` relative to the working directory where it is inside it."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 class CharGPT(MuonMixin, GPT):

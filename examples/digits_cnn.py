@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_muon import MuonMixin
+from lightning_muon.examples._extras import sklearn_digits
 
 __all__ = ["CNN", "DigitsCNN", "DigitsDataModule"]
 
@@ -52,9 +53,7 @@ class DigitsDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
-        from sklearn.datasets import load_digits
-
-        digits = load_digits()
+        digits = sklearn_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
         labels = torch.tensor(digits.target, dtype=torch.long)
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(self.seed))
