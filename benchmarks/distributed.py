@@ -55,9 +55,9 @@ from rich.table import Table
 
 import lightning_muon.optim._update as muon_module
 from lightning_muon import Muon
-from lightning_muon.optim._collectives import assign_owners
-from lightning_muon.optim._plan import Job, balance, exchange_rounds, plan_jobs, round_bytes
+from lightning_muon.optim._plan import Job, assign_owners, balance, exchange_rounds, plan_jobs, round_bytes
 from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES
+from lightning_muon.optim.groups import DEFAULT_BATCH_BYTES_ACCELERATOR
 
 import _common
 import _report
@@ -132,7 +132,7 @@ def accelerator_buckets(layers: int, width: int) -> list[muon_module.Bucket]:
     params = [torch.nn.Parameter(torch.empty(s, device="meta")) for s in _common.hidden_shapes(layers, width)]
     for p in params:
         p.grad = torch.empty_like(p)
-    optimizer = Muon(params, ns_batch_bytes=muon_module._DEFAULT_BATCH_BYTES_ACCELERATOR)
+    optimizer = Muon(params, ns_batch_bytes=DEFAULT_BATCH_BYTES_ACCELERATOR)
     return muon_module.collect_buckets(optimizer.param_groups, optimizer.state, [True] * len(params),
                                        whole_dtensors=False, synced=True, named=False)
 
@@ -146,7 +146,7 @@ def per_bucket_jobs(buckets: list[muon_module.Bucket], world_size: int) -> list[
 def plan_report() -> tuple[list[str], Table]:
     """The computed split, as lines (``W=8 accelerator-default: bytes/minimum X.XX, NS max/mean Y.YY``) and a table."""
     table = Table(title="Split of Newton-Schulz work, computed from the code's buckets at the accelerator default "
-                        f"(ns_batch_bytes {muon_module._DEFAULT_BATCH_BYTES_ACCELERATOR >> 20} MiB, bf16)")
+                        f"(ns_batch_bytes {DEFAULT_BATCH_BYTES_ACCELERATOR >> 20} MiB, bf16)")
     for column in ("model", "W", "plan", "jobs", "idle ranks", "all-gather bytes / minimum", "NS max / mean",
                    "all-gather buffers per rank"):
         table.add_column(column, justify="left" if column in ("model", "plan") else "right")
@@ -210,7 +210,7 @@ def agreement_worker(rank: int, repeats: int, init_file: str, out: str) -> None:
         p.grad = torch.randn(p.shape)
     optimizer = Muon(params, lr=0.02, momentum=0.95, weight_decay=0.01)
     optimizer.step()  # warm-up; chooses the strategy (and its agreement)
-    strategy = optimizer._strategy[1]
+    strategy = optimizer._choice.chosen
     agree = strategy.agree
     times: dict[str, list[float]] = {"with agreement": [], "without": [], "agreement alone": []}
     flags = [True] * len(params)

@@ -42,7 +42,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 import lightning_muon
-from lightning_muon.optim._update import matrix_shape, ns_dtype, preview_update, uses_gram
+from lightning_muon.optim import preview_update
+from lightning_muon.optim.groups import matrix_shape, ns_dtype, uses_gram
 from lightning_muon.optim.muon import DEFAULT_GRAM_ASPECT
 from lightning_muon.optim.newton_schulz import (
     gram_newton_schulz,

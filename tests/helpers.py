@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_muon import Muon, MuonMixin
-from lightning_muon.optim._collectives import is_dtensor
+from lightning_muon.optim._dtensor import is_dtensor
 
 # ------------------------------------------------------------------ Trainer and metrics
 

@@ -27,15 +27,20 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 from lightning_muon import Muon
 from lightning_muon.commands.cli import main
 from lightning_muon.optim import _strategies, _update
-from lightning_muon.optim._collectives import agreement_path, assign_owners, is_dtensor
+from lightning_muon.optim._collectives import agreement_path
+from lightning_muon.optim._dtensor import is_dtensor
 from lightning_muon.optim._plan import (
+    PlanCache,
+    assign_owners,
     balance,
+    exchange_layout,
     exchange_rounds,
     param_exchange_bytes,
     plan_jobs,
     round_bytes,
     sub_bucket,
 )
+from lightning_muon.optim.groups import DEFAULT_BATCH_BYTES_ACCELERATOR
 from lightning_muon.optim.newton_schulz import zeropower_via_newtonschulz
 
 from helpers import EndProcessGroup, MuonNet, SaveCheckpointAtEnd, SaveEveryRank, make_trainer, muon_factory
@@ -108,7 +113,7 @@ def accelerator_buckets(shapes: list[tuple[int, int]]) -> list[_update.Bucket]:
     params = [nn.Parameter(torch.empty(s, device="meta")) for s in shapes]
     for p in params:
         p.grad = torch.empty_like(p)
-    optimizer = Muon(params, ns_batch_bytes=_update._DEFAULT_BATCH_BYTES_ACCELERATOR)
+    optimizer = Muon(params, ns_batch_bytes=DEFAULT_BATCH_BYTES_ACCELERATOR)
     return _update.collect_buckets(optimizer.param_groups, optimizer.state, [True] * len(params),
                                    whole_dtensors=False, synced=True, named=False)
 
@@ -175,10 +180,10 @@ def test_fsdp2_exchanges_in_rounds_stay_within_the_limit_and_keep_every_owner_bu
 
 def test_a_strategy_plans_again_only_when_the_work_changes():
     planned = []
-    strategy = _strategies.LocalStep()
+    plans: PlanCache[None] = PlanCache()
     gpt, other = accelerator_buckets(GPT2_SMALL), accelerator_buckets(GPT2_SMALL[:-1])
     for buckets in (gpt, accelerator_buckets(GPT2_SMALL), other, gpt):
-        strategy._planned(buckets, lambda: planned.append(len(planned)))
+        plans.get(buckets, lambda: planned.append(len(planned)))
     assert planned == [0, 1, 2]  # the second step (fresh buckets, same work) reuses the first one's plan
 
 
@@ -188,7 +193,7 @@ def test_a_sub_bucket_keeps_its_parameters_lists_aligned():
     assert part.params == [bucket.params[1], bucket.params[3]]
     assert part.grads == [bucket.grads[1], bucket.grads[3]] and part.bufs == [bucket.bufs[1], bucket.bufs[3]]
     assert len(part.names) == 2 and part.shape == bucket.shape and part.group is bucket.group
-    assert part.exchange_layout[0] == 2 and part.flops * 5 == bucket.flops * 2
+    assert exchange_layout(part).blocks == 2 and part.flops * 5 == bucket.flops * 2
     assert sub_bucket(bucket, range(5)) is bucket
 
 
@@ -225,7 +230,7 @@ def _agreement_worker(rank: int, init_file: str, out: str) -> None:
         p.grad = torch.ones_like(p)
     params[0].grad = torch.ones_like(params[0]) if rank == 0 else None  # missing on rank 1 only
     optimizer.step()
-    strategy = optimizer._strategy[1]
+    strategy = optimizer._choice.chosen
     flags = strategy.agree([rank == 0, rank == 1, False], torch.device("cpu"))
     torch.save({"reduced": reduced, "flags": flags, "sent": optimizer.last_exchange_bytes, "path": strategy.description,
                 "buffer": optimizer.state[params[0]]["momentum_buffer"].clone()}, os.path.join(out, f"rank{rank}.pt"))
@@ -260,6 +265,145 @@ def test_a_single_process_says_which_path_it_takes_only_at_debug(caplog, level):
     told = [(r.levelno, r.getMessage()) for r in caplog.records if r.getMessage().startswith("Muon:")]
     assert told == ([(logging.DEBUG, "Muon: Newton-Schulz runs on this process alone.")] if level == logging.DEBUG
                     else [])
+
+
+def test_a_muon_stepped_before_init_process_group_chooses_its_strategy_again_after_it(tmp_path):
+    """The strategy follows the default process group: chosen again once per change of it, not every step (two
+    ranks take the split path after init: `test_an_explicit_process_group_or_device_mesh_is_where_the_work_runs`)."""
+    p = nn.Parameter(torch.randn(4, 4))
+    optimizer = Muon([p])
+    p.grad = torch.ones_like(p)
+    optimizer.step()
+    before = optimizer._choice.chosen
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        optimizer.step()
+        during = optimizer._choice.chosen
+        optimizer.step()
+        assert optimizer._choice.chosen is during
+        # An explicit group (here the default one) is used as given, and not chosen again after a change.
+        explicit = Muon([p], process_group=dist.group.WORLD)
+        explicit.step()
+        given = explicit._choice.chosen
+    finally:
+        dist.destroy_process_group()
+    optimizer.step()
+    explicit.step()
+    assert during is not before and optimizer._choice.chosen is not during
+    assert explicit._choice.chosen is given
+    # One rank: nothing to split, so every choice is the local path.
+    assert all(isinstance(s, _strategies.LocalStep) for s in (before, during, given, optimizer._choice.chosen))
+
+
+#: Replicated matrices of the explicit-group worker: a tall one and its wide twin, two squares.
+WHERE_SHAPES = [(8, 4), (6, 6), (4, 8), (6, 6)]
+
+
+def _where_worker(rank: int, init_file: str, out: str) -> None:
+    """A Muon stepped before ``init_process_group`` and after; one given a process group, one a device mesh;
+    the refusals of arguments that do not fit; the path again after ``destroy_process_group``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    initial = [torch.randn(shape) for shape in WHERE_SHAPES]
+    grads = [torch.randn(shape) for shape in WHERE_SHAPES]  # the same on both ranks, as under DDP
+    place = lambda x: x  # noqa: E731
+
+    def stepped(optimizer: Muon, params: list[nn.Parameter]) -> Muon:
+        for p, g in zip(params, grads):
+            p.grad = place(g.clone())
+        optimizer.step()
+        return optimizer
+
+    def fresh(**kwargs) -> tuple[Muon, list[nn.Parameter]]:
+        params = [nn.Parameter(place(x.clone())) for x in initial]
+        return Muon(params, lr=0.1, ns_dtype=torch.float32, **kwargs), params
+
+    def refusal(**kwargs) -> str:
+        try:
+            fresh(**kwargs)
+        except ValueError as error:
+            return str(error)
+        return "accepted"
+
+    results: dict = {}
+    early, early_params = fresh()
+    results["before"] = stepped(early, early_params)._choice.chosen.description
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    results["after"] = (stepped(early, early_params)._choice.chosen.description, early.last_exchange_bytes)
+    group, only_zero = dist.new_group([0, 1]), dist.new_group([0])  # collective: every rank creates both
+    gathered_over, all_gather = [], dist.all_gather
+
+    def recording(tensors, tensor, group=None, **kwargs):
+        gathered_over.append(group)
+        return all_gather(tensors, tensor, group=group, **kwargs)
+
+    dist.all_gather = recording
+    explicit = stepped(*fresh(process_group=group))
+    dist.all_gather = all_gather
+    alone = stepped(*fresh(split_ns=False))
+    results["explicit"] = {
+        "path": explicit._choice.chosen.description,
+        "sent": explicit.last_exchange_bytes,
+        "over_the_group": [g is group for g in gathered_over],
+        "params": [p.detach().clone() for group in explicit.param_groups for p in group["params"]],
+        "alone": [p.detach().clone() for group in alone.param_groups for p in group["params"]],
+    }
+    if rank == 0:
+        results["only_zero"] = stepped(*fresh(process_group=only_zero))._choice.chosen.description
+    else:
+        results["only_zero"] = refusal(process_group=only_zero)
+    mesh, other_mesh = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (1, 2))
+    results["plain_on_a_mesh"] = refusal(device_mesh=mesh)
+    place = functools.partial(distribute_tensor, device_mesh=mesh, placements=[Shard(0)])
+    sharded = stepped(*fresh(device_mesh=mesh))
+    results["mesh"] = {
+        "path": sharded._choice.chosen.description,
+        "sent": sharded.last_exchange_bytes,
+        "params": [p.full_tensor().detach() for group in sharded.param_groups for p in group["params"]],
+    }
+    results["dtensor_with_a_group"] = refusal(process_group=group)
+    results["dtensor_on_another_mesh"] = refusal(device_mesh=other_mesh)
+    dist.barrier()
+    dist.destroy_process_group()
+    place = lambda x: x  # noqa: E731
+    results["destroyed"] = stepped(early, early_params)._choice.chosen.description
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    os._exit(0)  # as _sharded_worker: no interpreter teardown
+
+
+@pytest.mark.distributed
+def test_an_explicit_process_group_or_device_mesh_is_where_the_work_runs(tmp_path):
+    mp.spawn(_where_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    alone = "Newton-Schulz runs on this process alone"
+    for r in ranks:
+        # Stepped before init_process_group: alone; after it, the same optimizer splits the work; after
+        # destroy_process_group, alone again.
+        assert r["before"] == alone and r["destroyed"] == alone
+        path, sent = r["after"]
+        assert path.startswith("Newton-Schulz split over 2 DDP ranks (") and sent > 0
+        # An explicit group: the split over it, every all-gather on it, the result of one process.
+        explicit = r["explicit"]
+        assert explicit["path"].startswith("Newton-Schulz split over 2 DDP ranks of the given process group (")
+        assert explicit["sent"] > 0 and explicit["over_the_group"] == [True]
+        torch.testing.assert_close(explicit["params"], explicit["alone"], atol=1e-6, rtol=0)
+        # An explicit mesh: FSDP2's owner ranks on it, the result of one process.
+        assert r["mesh"]["path"].startswith("Newton-Schulz on FSDP2 owner ranks: 2 ranks (") and r["mesh"]["sent"] > 0
+        torch.testing.assert_close(r["mesh"]["params"], explicit["alone"], atol=1e-5, rtol=0)
+        # Arguments that do not fit the parameters are refused at construction, naming the parameter.
+        assert re.search(r"parameter 0 of shape \(8, 4\): device_mesh is for DTensor parameters",
+                         r["plain_on_a_mesh"])
+        assert re.search(r"parameter 0 of shape \(8, 4\): it is a DTensor.*pass device_mesh, not process_group",
+                         r["dtensor_with_a_group"])
+        assert re.search(r"parameter 0 of shape \(8, 4\): it lives on DeviceMesh.*not on device_mesh DeviceMesh",
+                         r["dtensor_on_another_mesh"])
+    for got0, got1 in zip(ranks[0]["explicit"]["params"], ranks[1]["explicit"]["params"]):
+        assert torch.equal(got0, got1)
+    # A group of rank 0 alone: one rank, nothing to split there; rank 1 is not in it and is told so.
+    assert ranks[0]["only_zero"] == alone
+    assert "process_group=-100 is torch.distributed's mark of a group this rank is not in" in ranks[1]["only_zero"]
 
 
 def test_orthogonalising_a_shard_is_not_orthogonalising_the_matrix():
@@ -307,12 +451,12 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
     results = {}
     modes = [("sharded", shard, split_ns), ("whole", lambda x: x, False)]
     for name, place, split in modes + ([("rounds", shard, True)] if case == "owners" else []):
-        _strategies.EXCHANGE_ROUND_BYTES = ROUND_BYTES if name == "rounds" else 64 << 20
         params = [nn.Parameter(place(x.clone())) for x in initial]
         groups = [{"params": params[: len(fp32_shapes)], "ns_dtype": "float32"}]
         if bf16_shapes:
             groups.append({"params": params[len(fp32_shapes) :], "ns_dtype": "bfloat16", "nesterov": False})
-        optimizer = Muon(groups, lr=0.1, weight_decay=0.01, split_ns=split)
+        round_bytes = ROUND_BYTES if name == "rounds" else _strategies.EXCHANGE_ROUND_BYTES
+        optimizer = Muon(groups, lr=0.1, weight_decay=0.01, split_ns=split, exchange_round_bytes=round_bytes)
         exchanges = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -322,7 +466,7 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
                     p.grad = None if unused else place(g)
                 optimizer.record_diagnostics()
                 optimizer.step()
-                strategy = optimizer._strategy[1]
+                strategy = optimizer._choice.chosen
                 if isinstance(strategy, _strategies.ShardedStep):
                     exchanges.append((strategy.rounds, strategy.largest_buffer, strategy.buffers.kept_bytes))
         results[name] = {

@@ -123,15 +123,15 @@ class GAN(L.LightningModule):
         return [torch.optim.Adam(self.generator.parameters()), torch.optim.Adam(self.discriminator.parameters())]
 
 
-def test_a_gan_style_parent_is_refused_when_the_class_is_defined():
-    with pytest.raises(TypeError) as error:
+def test_a_gan_style_parent_is_defined_and_refused_when_built():
+    class MuonGAN(MuonMixin, GAN):  # what a class merely contains refuses nothing
+        pass
 
-        class MuonGAN(MuonMixin, GAN):
-            pass
-
+    with pytest.raises(MisconfigurationException) as error:
+        MuonGAN()
     message = str(error.value)
-    assert message.startswith("GAN.training_step calls manual_backward: MuonGAN optimizes by hand, but MuonMixin "
-                              "owns the optimization step.")
+    assert message.startswith("MuonGAN's parent sets automatic_optimization = False: MuonGAN optimizes by hand, but "
+                              "MuonMixin owns the optimization step.")
     assert "lightning_muon.route_parameters(self.generator)" in message
     assert "Muon(routing.muon_groups) and torch.optim.AdamW(routing.adamw_groups)" in message
 
@@ -173,6 +173,137 @@ def test_a_parent_that_calls_self_optimizers_is_refused_before_any_weight_moves(
     pattern = r"^training_step calls self\.optimizers\(\): StepsByHandModel optimizes by hand, but MuonMixin owns"
     with pytest.raises(MisconfigurationException, match=pattern):
         make_trainer(tmp_path, max_steps=2).fit(model)
+    assert same(params(model), before)
+
+
+class DebugsGradients(Regression):
+    """A helper that mentions manual_backward, never called."""
+
+    def debug_gradients(self, loss):
+        self.manual_backward(loss)
+        return {n: p.grad for n, p in self.named_parameters()}
+
+
+def test_a_parent_with_a_never_called_helper_that_mentions_manual_backward_trains_as_without_it(tmp_path):
+    class MuonDebugsGradients(MuonMixin, DebugsGradients):
+        pass
+
+    model, reference = MuonDebugsGradients(), MuonRegression()
+    make_trainer(tmp_path / "helper", max_steps=3).fit(model)
+    make_trainer(tmp_path / "reference", max_steps=3).fit(reference)
+    assert model.trainer.global_step == 3
+    assert same(params(model), params(reference))
+
+
+def passthrough(step):
+    """An ordinary decorator."""
+
+    @functools.wraps(step)
+    def wrapper(self, *args, **kwargs):
+        return step(self, *args, **kwargs)
+
+    return wrapper
+
+
+class DecoratedBackward(Regression):
+    @passthrough
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        return loss
+
+
+class CallsBackward(Regression):
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        return loss
+
+
+class SuperBackward(Regression):
+    """``super().manual_backward`` from the parent goes around MuonMixin's (the mixin comes before it)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        super().manual_backward(loss)
+        return loss
+
+
+class StepsKeptOptimizer(Regression):
+    """Steps an optimizer it kept outside training_step, without calling self.optimizers() in it."""
+
+    def on_train_start(self):
+        self.kept = self.optimizers()[0]
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        loss.backward()
+        self.kept.step()
+        return loss
+
+
+class StepsTrainerOptimizer(Regression):
+    """Steps the Trainer's raw optimizer (AdamW) in training_step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        loss.backward()
+        self.trainer.optimizers[-1].step()
+        return loss
+
+
+class BackwardInCallback(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        pl_module.manual_backward(pl_module.loss(batch))
+
+
+def with_mixin(parent):
+    return lambda: type(f"Muon{parent.__name__}", (MuonMixin, parent), {})
+
+
+def subclass_calling_the_parent_through_super():
+    class MuonChain(MuonMixin, CallsBackward):
+        def training_step(self, batch, batch_idx):
+            return super().training_step(batch, batch_idx)
+
+    return MuonChain
+
+
+def subclass_calling_super_manual_backward():
+    class MuonSuperOfMixin(MuonMixin, Regression):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            super().manual_backward(loss)  # the mixin's manual_backward
+            return loss
+
+    return MuonSuperOfMixin
+
+
+OWN_BACKWARD = r"training_step runs a backward around MuonMixin \(super\(\)\.manual_backward\(\) or trainer\.strategy"
+
+
+@pytest.mark.parametrize(
+    ("build", "callback", "where"),
+    [
+        (with_mixin(DecoratedBackward), None, r"training_step calls manual_backward\(\)"),
+        (subclass_calling_the_parent_through_super, None, r"training_step calls manual_backward\(\)"),
+        (subclass_calling_super_manual_backward, None, r"training_step calls manual_backward\(\)"),
+        (with_mixin(SuperBackward), None, OWN_BACKWARD),
+        (with_mixin(Regression), BackwardInCallback(), r"a hook or callback outside training_step calls manual_back"),
+        (with_mixin(StepsKeptOptimizer), None, r"training_step steps an optimizer itself \(opt\.step\(\)\)"),
+        (with_mixin(StepsTrainerOptimizer), None, r"training_step steps an optimizer itself \(opt\.step\(\)\)"),
+    ],
+    ids=["decorated", "super-chain", "super-of-mixin", "parent-super", "callback", "kept-optimizer", "raw-optimizer"],
+)
+def test_a_backward_or_step_that_is_not_the_mixins_is_refused_at_its_first_call_before_any_weight_moves(
+    tmp_path, build, callback, where
+):
+    model = build()()
+    before = params(model)
+    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[callback] if callback else [])
+    with pytest.raises(MisconfigurationException, match=rf"^{where}.*: Muon\w+ optimizes by hand, but MuonMixin owns"):
+        trainer.fit(model)
+    assert trainer.global_step == 0
     assert same(params(model), before)
 
 

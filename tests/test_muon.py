@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 from collections.abc import Sequence
@@ -11,8 +12,8 @@ import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr as torch_adjust_lr
 
-import lightning_muon.optim._update as muon_module
 from lightning_muon import Muon, ParamDiagnostics, adjust_lr, orthogonality_error, zeropower_via_newtonschulz
+from lightning_muon.optim import _update
 from lightning_muon.optim.muon import DEFAULT_GRAM_ASPECT
 from lightning_muon.optim.newton_schulz import gram_newton_schulz
 
@@ -91,13 +92,13 @@ class _NSSpy:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.shapes: list[tuple[int, ...]] = []
-        real = muon_module.zeropower_via_newtonschulz
+        real = _update.zeropower_via_newtonschulz
 
         def spy(G: torch.Tensor, **kwargs):
             self.shapes.append(tuple(G.shape))
             return real(G, **kwargs)
 
-        monkeypatch.setattr(muon_module, "zeropower_via_newtonschulz", spy)
+        monkeypatch.setattr(_update, "zeropower_via_newtonschulz", spy)
 
 
 # ------------------------------------------------------- torch.optim.Muon oracle
@@ -178,13 +179,13 @@ GRAM_SHAPES = [(64, 16), (16, 64), (64, 16), (8, 8, 3, 3), (20, 20)]
 
 def test_rectangular_matrices_go_through_gram_newton_schulz_unless_on_the_exact_path(monkeypatch):
     calls: list[tuple[int, ...]] = []
-    real = muon_module.gram_newton_schulz
+    real = _update.gram_newton_schulz
 
     def spy(G: torch.Tensor, **kwargs):
         calls.append(tuple(G.shape))
         return real(G, **kwargs)
 
-    monkeypatch.setattr(muon_module, "gram_newton_schulz", spy)
+    monkeypatch.setattr(_update, "gram_newton_schulz", spy)
     params = _params(GRAM_SHAPES)
     _train(Muon(params, lr=LR), params, _grads(GRAM_SHAPES, 1))
     # the two 64x16 join the 16x64 transposed; 8 x 72 is 9:1; 20 x 20 is not
@@ -492,7 +493,7 @@ def test_no_diagnostics_unless_requested(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("record ran without a request")
 
-    monkeypatch.setattr(muon_module, "record", boom)
+    monkeypatch.setattr(_update, "record", boom)
     opt = Muon(params, lr=LR)
     _train(opt, params, _grads(SHAPES, 3))
     assert opt.diagnostics == []
@@ -620,6 +621,18 @@ CONSTRUCTOR_ERRORS = [
     ({"ns_batch_bytes": True}, ValueError, r"Invalid ns_batch_bytes: True"),
     # a float used to pass, then crash step with "TypeError: 'float' object cannot be interpreted as an integer"
     ({"ns_batch_bytes": 2.5 * BYTES_24x16}, ValueError, r"Invalid ns_batch_bytes: 1920\.0"),
+    # where the work is split, refused before any step
+    ({"process_group": "ranks"}, TypeError, r"process_group must be a torch\.distributed\.ProcessGroup or None, "
+                                            r"got 'ranks'"),
+    ({"process_group": torch.distributed.GroupMember.NON_GROUP_MEMBER}, ValueError,
+     r"process_group=-100 is torch\.distributed's mark of a group this rank is not in"),
+    ({"device_mesh": (2,)}, TypeError, r"device_mesh must be a torch\.distributed\.device_mesh\.DeviceMesh or None, "
+                                       r"got \(2,\)"),
+    ({"process_group": "ranks", "device_mesh": "mesh"}, ValueError,
+     r"not both: got process_group='ranks' and device_mesh='mesh'"),
+    ({"exchange_round_bytes": 0}, ValueError, r"Invalid exchange_round_bytes: 0 \(must be an int >= 1\)"),
+    ({"exchange_round_bytes": True}, ValueError, r"Invalid exchange_round_bytes: True"),
+    ({"exchange_round_bytes": 1.5e6}, ValueError, r"Invalid exchange_round_bytes: 1500000\.0"),
 ]
 
 
@@ -631,6 +644,18 @@ CONSTRUCTOR_ERRORS = [
 def test_bad_hyperparameters_are_refused(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         Muon([torch.zeros(4, 3, requires_grad=True)], **kwargs)
+
+
+def test_a_copy_keeps_the_settings_and_chooses_its_own_strategy():
+    params = _params(SHAPES)
+    optimizer = Muon(params, lr=LR, split_ns=False, exchange_round_bytes=1 << 20)
+    optimizer.record_diagnostics()
+    _train(optimizer, params, _grads(SHAPES, 1))
+    assert optimizer._choice.chosen is not None and optimizer.diagnostics
+    copied = copy.deepcopy(optimizer)
+    assert copied.split_ns is False and copied._choice.round_bytes == 1 << 20
+    assert copied._choice.chosen is None and copied.diagnostics == [] and copied.last_exchange_bytes == 0
+    assert copied.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
 
 
 def _w(*shape):

@@ -46,7 +46,8 @@ from lightning_muon.callbacks.metrics import OrthogonalityError, UpdateRMS
 from lightning_muon.lightning import _compat
 from lightning_muon.lightning._update_loop import SKIPPED_STEPS_KEY
 from lightning_muon.lightning.mixin import MuonMixin
-from lightning_muon.optim._update import group_effective_lr, group_effective_lrs, lr_value, preview_update
+from lightning_muon.optim import preview_update
+from lightning_muon.optim.groups import group_effective_lr, group_effective_lrs, lr_value
 from lightning_muon.optim.muon import Muon
 from lightning_muon.optim.newton_schulz import orthogonality_error
 

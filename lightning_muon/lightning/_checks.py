@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import dis
-import types
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import LearningRateFinder, StochasticWeightAveraging
@@ -33,34 +30,6 @@ BY_HAND = (
     "lightning_muon.Muon(routing.muon_groups) and torch.optim.AdamW(routing.adamw_groups) (the same for "
     "the discriminator)."
 )
-
-
-def _code_objects(function: Any) -> Iterator[types.CodeType]:
-    code = getattr(getattr(function, "__func__", function), "__code__", None)
-    stack = [code] if code is not None else []
-    while stack:
-        code = stack.pop()
-        yield code
-        stack += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-
-
-def _calls_manual_backward(function: Any) -> bool:
-    return any(
-        instruction.argval == "manual_backward" and instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")
-        for code in _code_objects(function)
-        for instruction in dis.get_instructions(code)
-    )
-
-
-def check_not_by_hand(cls: type, mixin: type[MuonMixin]) -> None:
-    """At class definition: no method of ``cls`` or its user bases calls ``manual_backward``."""
-    for klass in cls.__mro__:
-        if klass is mixin or klass in LightningModule.__mro__ or klass.__module__.startswith("lightning."):
-            continue
-        for name, function in vars(klass).items():
-            if callable(function) and _calls_manual_backward(function):
-                where = f"{klass.__name__}.{name} calls manual_backward"
-                raise TypeError(BY_HAND.format(where=where, cls=cls.__name__))
 
 
 def by_hand(module: LightningModule, where: str) -> MisconfigurationException:

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
-from lightning_muon.optim._update import group_effective_lrs
+from lightning_muon.optim.groups import group_effective_lrs
 from lightning_muon.routing import Routing
 
 _PLAIN = (bool, int, float, str, type(None))

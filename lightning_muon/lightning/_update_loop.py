@@ -6,6 +6,10 @@ micro-batch, one update over every optimizer: unscale (16-mixed),
 ``on_before_optimizer_step`` hooks, one global gradient-norm clip, a non-finite
 check that skips every optimizer, the steps, one scaler update, the scheduler
 steps, zero grads. ``trainer.global_step`` advances once per update.
+
+The loop also guards what it owns: a backward that is not its own (from
+``training_step``, a hook or a callback) and an optimizer step inside the
+parent's ``training_step`` are refused before they run, so before any weight moves.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
 from lightning_muon.lightning import _compat, _health
+from lightning_muon.lightning._checks import by_hand
 from lightning_muon.lightning._config import MuonConfig
 from lightning_muon.lightning._fit_settings import FitSettings
 from lightning_muon.lightning._schedulers import step_schedulers
@@ -93,6 +98,8 @@ class UpdateLoop:
         #: 16-mixed: updates the GradScaler skipped in a row, and the stop when its scale collapses.
         self._scaler_watch = _health.ScalerWatch()
         self._in_training_step = False
+        #: Whether the loop's own backward is running (the only backward `check_backward` lets through).
+        self._own_backward = False
         self._warned_none = False
         #: This fit's accumulation and clipping (the mixin's arguments and the Trainer's flags together).
         self.settings = FitSettings(config.accumulate_grad_batches, None, config.gradient_clip_val)
@@ -108,6 +115,26 @@ class UpdateLoop:
     def in_training_step(self) -> bool:
         """Whether the parent's ``training_step`` is running (where the mixin owns the optimizers)."""
         return self._in_training_step
+
+    # ------------------------------------------------------ the by-hand guard
+
+    def check_backward(self, module: LightningModule, call: str) -> None:
+        """Refuse a backward that is not this loop's own (``call`` says how it was made): the mixin owns the
+        backward, so any other one, from ``training_step``, a hook or a callback, optimizes by hand."""
+        if not self._own_backward:
+            where = "training_step" if self._in_training_step else "a hook or callback outside training_step"
+            raise by_hand(module, f"{where} {call}")
+
+    def guard_steps(self, module: LightningModule, optimizers: Iterable[Optimizer]) -> None:
+        """Make a step of any of ``optimizers`` inside the parent's ``training_step`` raise before it moves a
+        weight (a step pre-hook, which does nothing outside ``training_step``, where the loop steps them)."""
+
+        def refuse(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._in_training_step:
+                raise by_hand(module, "training_step steps an optimizer itself (opt.step())")
+
+        for optimizer in optimizers:
+            optimizer.register_step_pre_hook(refuse)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -145,10 +172,10 @@ class UpdateLoop:
         if loss is not None:
             scaled = loss / module.trainer.accumulate_grad_batches
             if update_now:
-                module.manual_backward(scaled)
+                self._backward(module, scaled)
             else:
                 with _no_gradient_sync(module):
-                    module.manual_backward(scaled)
+                    self._backward(module, scaled)
             self._losses.append(loss.detach())
         self.micro_batches += 1
         if update_now:
@@ -166,6 +193,14 @@ class UpdateLoop:
         if self._plateau_pending is not None:
             index, self._plateau_pending = self._plateau_pending, None
             step_schedulers(module, interval="step", plateau=True, index=index)
+
+    def _backward(self, module: LightningModule, loss: torch.Tensor) -> None:
+        """The loop's own backward, the one `check_backward` lets through."""
+        self._own_backward = True
+        try:
+            module.manual_backward(loss)
+        finally:
+            self._own_backward = False
 
     def _loss_of(self, module: LightningModule, output: Any) -> torch.Tensor | None:
         if output is None:
@@ -205,18 +240,10 @@ class UpdateLoop:
             for optimizer in optimizers:
                 _compat.call_on_before_optimizer_step(trainer, optimizer)
             params = [p for o in optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
-            grads = [p.grad for p in params]
-            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-            if not bool(torch.isfinite(norm)) and all(bool(torch.isfinite(g).all()) for g in grads):
-                # Every element is finite but the norm overflowed its dtype (fp16 past 65504): recompute.
-                norm = torch.nn.utils.get_total_norm([g.double() for g in grads])
+            norm = _gradient_norm(params)
             finite = bool(torch.isfinite(norm))  # one device sync decides the update
             if finite:
-                clip = self.settings.gradient_clip_val
-                if clip is not None and self.settings.gradient_clip_algorithm == "value":
-                    torch.nn.utils.clip_grad_value_(params, clip)
-                elif clip is not None:
-                    torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+                self._clip(params, norm)
                 for optimizer in optimizers:  # already unscaled and checked: the scaler has nothing to add
                     optimizer.step()
                 _health.check_weights_finite(optimizers, module)
@@ -231,6 +258,14 @@ class UpdateLoop:
             self._plateau_pending = index
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
+
+    def _clip(self, params: list[torch.Tensor], norm: torch.Tensor) -> None:
+        """The fit's clipping over every optimizer's gradients: by value, or by the global norm already taken."""
+        clip = self.settings.gradient_clip_val
+        if clip is not None and self.settings.gradient_clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(params, clip)
+        elif clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
 
     def _skip(self, module: LightningModule, optimizers: list[Optimizer], counts_toward_limit: bool) -> None:
         self.skipped_updates += 1
@@ -253,3 +288,13 @@ class UpdateLoop:
                 "was changed by them. Lower the learning rate, add gradient_clip_val, or check the data and loss."
             )
         rank_zero_warn(f"MuonMixin skipped an update: non-finite gradients in {shown}. No weight was changed.")
+
+
+def _gradient_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """The global norm of ``params``' gradients; recomputed in float64 where every element is finite but the
+    norm overflowed its dtype (fp16 past 65504)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    if not bool(torch.isfinite(norm)) and all(bool(torch.isfinite(g).all()) for g in grads):
+        norm = torch.nn.utils.get_total_norm([g.double() for g in grads])
+    return norm

@@ -93,7 +93,6 @@ class MuonMixin(_LightningModuleBase):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         _checks.check_bases(cls, MuonMixin)
-        _checks.check_not_by_hand(cls, MuonMixin)
         step = vars(cls).get("training_step")
         if step is not None and not getattr(step, "_muon_wrapped", False):
             # The subclass's own training_step becomes the one that updates (the mixin's would be bypassed).
@@ -179,8 +178,12 @@ class MuonMixin(_LightningModuleBase):
     # -------------------------------------------------------------- optimizers
 
     def configure_optimizers(self) -> Any:
-        """``[muon, adamw]`` over the routed param groups (only AdamW when ``muon=None``), with their schedulers."""
-        return _lifecycle.build_optimizers(self)
+        """``[muon, adamw]`` over the routed param groups (only AdamW when ``muon=None``), with their schedulers.
+
+        A step of either inside the parent's ``training_step`` is refused before it moves a weight."""
+        built = _lifecycle.build_optimizers(self)
+        self._muon_loop.guard_steps(self, built[0] if isinstance(built, tuple) else built)
+        return built
 
     # -------------------------------------------------------------- fit checks
 
@@ -217,15 +220,25 @@ class MuonMixin(_LightningModuleBase):
         super().on_train_epoch_end()
         _lifecycle.end_epoch(self)
 
+    # ------------------------------------------ refusals of optimizing by hand
+
     def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        """Lightning's, except inside the parent's ``training_step``, where the mixin owns the optimizers."""
         if self._muon_loop.in_training_step:
             raise _checks.by_hand(self, "training_step calls self.optimizers()")
         return super().optimizers(use_pl_optimizer)
 
     def manual_backward(self, loss: Any, *args: Any, **kwargs: Any) -> None:
-        if self._muon_loop.in_training_step:
-            raise _checks.by_hand(self, "training_step calls self.manual_backward()")
+        """The update loop's own backward; any other call (training_step, a hook, a callback) is refused."""
+        self._muon_loop.check_backward(self, "calls manual_backward()")
         super().manual_backward(loss, *args, **kwargs)
+
+    def on_before_backward(self, loss: Any) -> None:
+        """Lightning calls this before every backward it runs: refuse one that went around `manual_backward`."""
+        self._muon_loop.check_backward(
+            self, "runs a backward around MuonMixin (super().manual_backward() or trainer.strategy.backward())"
+        )
+        super().on_before_backward(loss)
 
     def toggle_optimizer(self, optimizer: Any) -> None:
         raise MisconfigurationException(

@@ -1,15 +1,25 @@
 """The optimizer: `Muon` (a drop-in superset of ``torch.optim.Muon``), its Newton-Schulz maths and schedules.
 
-Layers, bottom to top: `newton_schulz` (pure batched functions), ``_collectives``
-(process groups and byte exchanges), ``_update`` (momentum, orthogonalise, apply,
-diagnostics on buckets of same-shape matrices), ``_plan`` (which rank orthogonalises
-which matrices, exchange rounds), ``_strategies`` (local, DDP-split, FSDP2-owner),
-`muon` (the optimizer class). `schedulers` stands apart. Nothing here imports
-Lightning (``tests/test_layout.py`` checks it).
+Layers, bottom to top: `newton_schulz` (pure batched functions) and `groups` (what a param
+group's settings mean: shapes, effective lr, Newton-Schulz dtype and path; public, read by the
+callbacks and the Lightning config), ``_update`` (momentum, orthogonalise, apply, diagnostics on
+buckets of same-shape matrices), ``_collectives`` (process groups and byte exchanges), ``_plan``
+(which rank orthogonalises which matrices, exchange rounds), ``_strategies`` (local, DDP-split,
+FSDP2-owner), `muon` (the optimizer class). ``_dtensor`` (is a tensor a DTensor?) sits under them
+all, `schedulers` stands apart. Nothing here imports Lightning (``tests/test_layout.py`` checks it).
 """
 
+from lightning_muon.optim._update import preview_update
 from lightning_muon.optim.muon import Muon, ParamDiagnostics, adjust_lr
 from lightning_muon.optim.newton_schulz import orthogonality_error, zeropower_via_newtonschulz
 from lightning_muon.optim.schedulers import WarmupCosine
 
-__all__ = ["Muon", "ParamDiagnostics", "WarmupCosine", "adjust_lr", "orthogonality_error", "zeropower_via_newtonschulz"]
+__all__ = [
+    "Muon",
+    "ParamDiagnostics",
+    "WarmupCosine",
+    "adjust_lr",
+    "orthogonality_error",
+    "preview_update",
+    "zeropower_via_newtonschulz",
+]

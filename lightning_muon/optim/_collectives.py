@@ -1,4 +1,4 @@
-"""The collectives of Muon's distributed strategies: which world, who owns what, and the byte exchanges.
+"""The collectives of Muon's distributed strategies: which world, where ranks agree, and the byte exchanges.
 
 Under DDP every rank holds the same averaged gradients, so orthogonalising
 every matrix on every rank repeats the work ``world`` times. Instead each rank
@@ -18,20 +18,27 @@ its shard group.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 #: Each matrix's bytes start on this boundary in the exchange buffer, so any dtype can view them.
 _ALIGN = 8
 
 
 class World(NamedTuple):
+    """The ranks that share a distributed step's Newton-Schulz work, seen from this one."""
+
+    #: This rank within `group`.
     rank: int
+    #: How many ranks `group` has.
     size: int
     #: The process group the ranks belong to (``None``: the default group).
     group: dist.ProcessGroup | None = None
@@ -39,39 +46,29 @@ class World(NamedTuple):
     replicas: int = 1
 
 
-def is_dtensor(tensor: Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor (a sharded parameter under FSDP2)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(tensor, DTensor)
-
-
-def replicated_world(params: Sequence[Tensor]) -> World | None:
-    """This rank and the world size when work can be split: an initialised process group of more than
-    one rank, and replicated (plain-tensor) parameters. ``None`` otherwise."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+def replicated_world(group: dist.ProcessGroup | None = None) -> World | None:
+    """This rank and the size of ``group`` (``None``: the default group) when replicated parameters' work can
+    be split over it: an initialised process group of more than one rank. ``None`` otherwise."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return None
-    if any(is_dtensor(p) for p in params):
-        return None
-    return World(dist.get_rank(), dist.get_world_size())
+    return World(dist.get_rank(group), dist.get_world_size(group), group)
 
 
-def sharded_world(params: Sequence[Tensor]) -> World | str:
+def sharded_world(params: Sequence[Tensor], mesh: DeviceMesh | None = None) -> World | str:
     """The world of the FSDP2 owner exchange, or why these parameters have none (a sentence).
 
-    Every parameter must be a DTensor sharded on dim 0 over the same device mesh: a 1-D mesh (FSDP2,
-    placements ``(Shard(0),)``), or a 2-D mesh that replicates on its first dim and shards on its second
-    (HSDP, ``(Replicate(), Shard(0))``). The world is the shard dim's ranks and process group; under HSDP
-    each replica (`World.replicas`) repeats the same exchange and work on its own identical shards.
+    Every parameter must be a DTensor sharded on dim 0 over the same device mesh (``mesh``: the first
+    parameter's unless given): a 1-D mesh (FSDP2, placements ``(Shard(0),)``), or a 2-D mesh that replicates
+    on its first dim and shards on its second (HSDP, ``(Replicate(), Shard(0))``). The world is the shard dim's
+    ranks and process group; under HSDP each replica (`World.replicas`) repeats the same exchange and work on
+    its own identical shards.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     dtensors = [p for p in params if isinstance(p, DTensor)]
     if len(dtensors) != len(params):
         return "some Muon parameters are DTensors and some are not"
-    mesh = dtensors[0].device_mesh
+    mesh = dtensors[0].device_mesh if mesh is None else mesh
     if any(p.device_mesh != mesh for p in dtensors):
         return "the Muon parameters live on different device meshes"
     placements = {tuple(p.placements) for p in dtensors}
@@ -140,101 +137,36 @@ def make_agreement(group: dist.ProcessGroup | None) -> Agreement:
     return Agreement(group, None)
 
 
-def assign_owners(costs: Sequence[float], world_size: int) -> list[int]:
-    """The rank that computes each job: largest jobs first, each to the least-loaded rank (ties: lowest rank).
-
-    Deterministic, so every rank computes the same assignment without communicating.
-    """
-    loads = [(0.0, rank) for rank in range(world_size)]
-    owners = [0] * len(costs)
-    for job in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        load, rank = heapq.heappop(loads)
-        owners[job] = rank
-        heapq.heappush(loads, (load + costs[job], rank))
-    return owners
-
-
 def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def layout_bytes(layout: tuple[int, tuple[int, int], torch.dtype]) -> int:
-    """Bytes a job of this ``(count, (m, n), dtype)`` takes in an exchange buffer (each matrix 8-byte aligned)."""
-    count, (m, n), dtype = layout
-    return count * _padded(m * n * dtype.itemsize)
+class ExchangeLayout(NamedTuple):
+    """What an exchange needs to know of one job's matrices, the same on every rank."""
 
+    #: How many 2D blocks (one per parameter: its matrices one under the other).
+    blocks: int
+    #: The ``(rows, cols)`` of each whole block.
+    shape: tuple[int, int]
+    #: The dtype the blocks travel (and are orthogonalised) in.
+    dtype: torch.dtype
 
-def all_gather_results(
-    local: dict[int, list[Tensor]],
-    owners: Sequence[int],
-    layouts: Sequence[tuple[int, tuple[int, int], torch.dtype]],
-    world: World,
-    device: torch.device,
-    buffers: dict | None = None,
-) -> list[list[Tensor]]:
-    """All-gather every job's orthogonalised matrices from the rank that computed them.
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block, unpadded."""
+        m, n = self.shape
+        return m * n * self.dtype.itemsize
 
-    Args:
-        local: job index -> the matrices this rank computed for it.
-        owners: the rank of every job (from `assign_owners`).
-        layouts: per job ``(count, (m, n), dtype)`` of its matrices, known on every rank.
-        world: this rank and the world size.
-        device: where the exchange buffers live (the parameters' device).
-        buffers: a dict kept by the caller between steps, to reuse the exchange buffers
-            (allocating and faulting in a copy of all updates every step measured ~20% of a split step).
-
-    Returns the matrices of every job, in job order (views into the receive buffers, valid until
-    the next exchange with the same ``buffers``). Bytes travel as ``uint8``
-    (any dtype, any backend); each rank sends only its own share, padded to
-    the largest share.
-    """
-    sizes = [0] * world.size
-    for job, layout in enumerate(layouts):
-        sizes[owners[job]] += layout_bytes(layout)
-    width = max(sizes)
-    key = (width, str(device))
-    if buffers is not None and key in buffers:
-        send, received = buffers[key]
-    else:
-        send = torch.zeros(width, dtype=torch.uint8, device=device)
-        received = [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(world.size)]
-        if buffers is not None:
-            buffers.clear()
-            buffers[key] = (send, received)
-    offset = 0
-    for job in sorted(local):
-        for matrix in local[job]:
-            nbytes = matrix.numel() * matrix.element_size()
-            send[offset : offset + nbytes] = matrix.contiguous().view(-1).view(torch.uint8)
-            offset += _padded(nbytes)
-    dist.all_gather(received, send)
-    result: list[list[Tensor]] = [[] for _ in layouts]
-    offsets = [0] * world.size
-    for job, (count, (m, n), dtype) in enumerate(layouts):
-        rank, nbytes = owners[job], m * n * dtype.itemsize
-        for _ in range(count):
-            start = offsets[rank]
-            result[job].append(received[rank][start : start + nbytes].view(dtype).view(m, n))
-            offsets[rank] += _padded(nbytes)
-    return result
-
-
-# ----------------------------------------------------------------- FSDP2 (row shards)
-
-
-def shard_rows(rows: int, world_size: int) -> list[int]:
-    """How many rows each rank holds of a tensor sharded on dim 0 (``torch.chunk``'s split, as DTensor's
-    ``Shard(0)``: ``ceil(rows / world)`` each, the last ones shorter or empty)."""
-    chunk = -(-rows // world_size)
-    return [max(0, min(chunk, rows - rank * chunk)) for rank in range(world_size)]
-
-
-Layout = tuple[int, tuple[int, int], torch.dtype]
+    @property
+    def nbytes(self) -> int:
+        """Bytes the job takes in an exchange buffer (each block starts 8-byte aligned)."""
+        return self.blocks * _padded(self.block_bytes)
 
 
 class ExchangeBuffers:
-    """The byte buffers of the FSDP2 exchanges, kept between steps (and rounds): one per role (``"send"``,
-    ``"receive"``, ``"stacks"``), grown to the largest request, so exchanges of the same sizes allocate nothing.
+    """The byte buffers of the exchanges, kept between steps (and FSDP2's rounds): one per role (``"send"``,
+    ``"receive"``, ``"stacks"``), grown to the largest request, so exchanges of the same sizes allocate nothing
+    (allocating and faulting in a copy of all updates every step measured ~20% of a split DDP step).
 
     A request is valid until the next request of the same role. `largest` is the largest request since the
     caller last reset it (what a step's exchanges needed of any one buffer); `kept_bytes` what is held.
@@ -263,6 +195,65 @@ def _buffer(buffers: ExchangeBuffers | None, role: str, nbytes: int, device: tor
     if buffers is None:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     return buffers.get(role, nbytes, device)
+
+
+# ----------------------------------------------------------------- DDP (replicated parameters)
+
+
+def all_gather_results(
+    local: dict[int, list[Tensor]],
+    owners: Sequence[int],
+    layouts: Sequence[ExchangeLayout],
+    world: World,
+    device: torch.device,
+    buffers: ExchangeBuffers | None = None,
+) -> list[list[Tensor]]:
+    """All-gather every job's orthogonalised matrices from the rank that computed them.
+
+    Args:
+        local: job index -> the matrices this rank computed for it.
+        owners: the rank of every job (from `lightning_muon.optim._plan.assign_owners`).
+        layouts: per job, its matrices (known on every rank).
+        world: this rank, the world size and the process group.
+        device: where the exchange buffers live (the parameters' device).
+        buffers: kept exchange buffers to use (fresh ones without).
+
+    Returns the matrices of every job, in job order (views into the receive buffer, valid until
+    its next use). Bytes travel as ``uint8`` (any dtype, any backend); each rank sends only its
+    own share, padded to the largest share.
+    """
+    sizes = [0] * world.size
+    for job, layout in enumerate(layouts):
+        sizes[owners[job]] += layout.nbytes
+    width = max(sizes)
+    send = _buffer(buffers, "send", width, device)
+    received = list(_buffer(buffers, "receive", world.size * width, device).view(world.size, width).unbind(0))
+    offset = 0
+    for job in sorted(local):
+        for matrix in local[job]:
+            nbytes = matrix.numel() * matrix.element_size()
+            send[offset : offset + nbytes] = matrix.contiguous().view(-1).view(torch.uint8)
+            offset += _padded(nbytes)
+    dist.all_gather(received, send, group=world.group)
+    result: list[list[Tensor]] = [[] for _ in layouts]
+    offsets = [0] * world.size
+    for job, layout in enumerate(layouts):
+        rank, nbytes = owners[job], layout.block_bytes
+        for _ in range(layout.blocks):
+            start = offsets[rank]
+            result[job].append(received[rank][start : start + nbytes].view(layout.dtype).view(layout.shape))
+            offsets[rank] += _padded(nbytes)
+    return result
+
+
+# ----------------------------------------------------------------- FSDP2 (row shards)
+
+
+def shard_rows(rows: int, world_size: int) -> list[int]:
+    """How many rows each rank holds of a tensor sharded on dim 0 (``torch.chunk``'s split, as DTensor's
+    ``Shard(0)``: ``ceil(rows / world)`` each, the last ones shorter or empty)."""
+    chunk = -(-rows // world_size)
+    return [max(0, min(chunk, rows - rank * chunk)) for rank in range(world_size)]
 
 
 def _all_to_all(
@@ -301,7 +292,7 @@ def _all_to_all(
 def gather_to_owners(
     shards: Sequence[Sequence[Tensor]],
     owners: Sequence[int],
-    layouts: Sequence[Layout],
+    layouts: Sequence[ExchangeLayout],
     world: World,
     buffers: ExchangeBuffers | None = None,
 ) -> dict[int, Tensor]:
@@ -309,40 +300,42 @@ def gather_to_owners(
 
     Args:
         shards: per job, this rank's rows of each of its matrices (``(rows, n)``, any float dtype).
-        owners: the rank of every job (from `assign_owners`), the same on every rank.
-        layouts: per job ``(count, (m, n), dtype)``: how many matrices, their whole shape, and the dtype
-            they travel (and are orthogonalised) in.
+        owners: the rank of every job (from `lightning_muon.optim._plan.assign_owners`), the same on every rank.
+        layouts: per job, how many matrices, their whole shape, and the dtype they travel (and are
+            orthogonalised) in.
         buffers: kept exchange buffers to use (fresh ones without).
 
-    Returns, for each job this rank owns, its matrices stacked whole: ``(count, m, n)`` in ``dtype``
+    Returns, for each job this rank owns, its matrices stacked whole: ``(blocks, m, n)`` in ``dtype``
     (views into ``buffers``' stacks buffer where given, valid until its next use).
     """
     device = shards[0][0].device
     pieces: list[list] = [[] for _ in range(world.size)]
     receive: list[list] = [[] for _ in range(world.size)]
-    for job, (count, (m, n), dtype) in enumerate(layouts):
+    for job, layout in enumerate(layouts):
+        (m, n), dtype = layout.shape, layout.dtype
         pieces[owners[job]].extend((shard.reshape(-1, n), dtype) for shard in shards[job])
         if owners[job] == world.rank:
             for source, shard_height in enumerate(shard_rows(m, world.size)):
-                receive[source].extend([((shard_height, n), dtype)] * count)
+                receive[source].extend([((shard_height, n), dtype)] * layout.blocks)
     received = _all_to_all(pieces, receive, world, device, buffers)
     mine = [job for job in range(len(layouts)) if owners[job] == world.rank]
-    stacks = _buffer(buffers, "stacks", sum(layout_bytes(layouts[job]) for job in mine), device)
+    stacks = _buffer(buffers, "stacks", sum(layouts[job].nbytes for job in mine), device)
     whole: dict[int, Tensor] = {}
     taken, offset = [0] * world.size, 0
     for job in mine:
-        count, (m, n), dtype = layouts[job]
+        layout = layouts[job]
+        blocks, (m, n) = layout.blocks, layout.shape
         rows = shard_rows(m, world.size)
-        nbytes = count * m * n * dtype.itemsize  # contiguous; the next stack starts 8-byte aligned
-        stack = stacks[offset : offset + nbytes].view(dtype).view(count, m, n)
-        offset += layout_bytes(layouts[job])
-        for i in range(count):
+        nbytes = blocks * layout.block_bytes  # contiguous; the next stack starts 8-byte aligned
+        stack = stacks[offset : offset + nbytes].view(layout.dtype).view(blocks, m, n)
+        offset += layout.nbytes
+        for i in range(blocks):
             start = 0
             for source in range(world.size):
                 stack[i, start : start + rows[source]] = received[source][taken[source] + i]
                 start += rows[source]
         for source in range(world.size):
-            taken[source] += count
+            taken[source] += blocks
         whole[job] = stack
     return whole
 
@@ -350,7 +343,7 @@ def gather_to_owners(
 def scatter_from_owners(
     whole: dict[int, Tensor],
     owners: Sequence[int],
-    layouts: Sequence[Layout],
+    layouts: Sequence[ExchangeLayout],
     world: World,
     device: torch.device,
     buffers: ExchangeBuffers | None = None,
@@ -358,7 +351,7 @@ def scatter_from_owners(
     """The inverse of `gather_to_owners`: each owner sends every rank its rows of each whole result.
 
     Args:
-        whole: for each job this rank owns, its results ``(count, m, n)`` in the layout's dtype.
+        whole: for each job this rank owns, its results ``(blocks, m, n)`` in the layout's dtype.
         device: where the receive buffer lives (the parameters' device).
         buffers: kept exchange buffers to use (fresh ones without).
 
@@ -366,19 +359,20 @@ def scatter_from_owners(
     """
     pieces: list[list] = [[] for _ in range(world.size)]
     receive: list[list] = [[] for _ in range(world.size)]
-    for job, (count, (m, n), dtype) in enumerate(layouts):
+    for job, layout in enumerate(layouts):
+        (m, n), dtype = layout.shape, layout.dtype
         rows = shard_rows(m, world.size)
-        receive[owners[job]].extend([((rows[world.rank], n), dtype)] * count)
+        receive[owners[job]].extend([((rows[world.rank], n), dtype)] * layout.blocks)
         if owners[job] == world.rank:
-            for i in range(count):
+            for i in range(layout.blocks):
                 start = 0
                 for dest in range(world.size):
                     pieces[dest].append((whole[job][i, start : start + rows[dest]], dtype))
                     start += rows[dest]
     received = _all_to_all(pieces, receive, world, device, buffers)
     result, taken = [], [0] * world.size
-    for job, (count, _, _) in enumerate(layouts):
+    for job, layout in enumerate(layouts):
         owner = owners[job]
-        result.append(received[owner][taken[owner] : taken[owner] + count])
-        taken[owner] += count
+        result.append(received[owner][taken[owner] : taken[owner] + layout.blocks])
+        taken[owner] += layout.blocks
     return result

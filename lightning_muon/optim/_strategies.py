@@ -1,6 +1,7 @@
 """Where Muon's Newton-Schulz work runs: on every rank, split over DDP ranks, or on FSDP2 owner ranks.
 
-`choose_strategy` picks one of three, from the parameters and the process group:
+Every strategy is a `Strategy`; `choose_strategy` picks one of three, from the parameters and the process
+group (the default one, or an explicit ``process_group`` / ``device_mesh`` given to `lightning_muon.Muon`):
 
 - `LocalStep`: one process, or every rank doing all the work (``split_ns=False``,
   and DTensor layouts other than FSDP2's and HSDP's, whose matrices are gathered
@@ -12,10 +13,12 @@
   shards go to an owner rank, which orthogonalises the whole matrices and sends
   every rank back its rows.
 
-Owners are assigned per parameter, each bucket cut into one job per owner
+The two distributed ones are `DistributedStep`s: they hold their `World` (which ranks share the work) from
+construction on. Owners are assigned per parameter, each bucket cut into one job per owner
 (`lightning_muon.optim._plan`), so the split does not depend on ``ns_batch_bytes``.
 A distributed run says which path it takes in one rank-zero line at its first step (the ``lightning_muon``
-logger at INFO; a fallback is a warning); a single process says it only at DEBUG.
+logger at INFO; a fallback is a warning); a single process says it only at DEBUG. `StrategyChoice` keeps
+an optimizer's strategy and chooses again when what it was chosen from changes.
 
 Each strategy owns its owners, exchange buffers, byte count and diagnostics;
 all of them use the maths of `lightning_muon.optim._update`.
@@ -25,10 +28,12 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_muon.optim import _update
@@ -39,67 +44,93 @@ from lightning_muon.optim._collectives import (
     all_gather_results,
     any_rank,
     gather_to_owners,
-    is_dtensor,
     make_agreement,
     replicated_world,
     scatter_from_owners,
     sharded_world,
 )
-from lightning_muon.optim._plan import Job, exchange_rounds, in_bucket_order, plan_jobs, sub_bucket
+from lightning_muon.optim._dtensor import is_dtensor
+from lightning_muon.optim._plan import (
+    Job,
+    PlanCache,
+    exchange_layout,
+    exchange_rounds,
+    in_bucket_order,
+    plan_jobs,
+    sub_bucket,
+)
 from lightning_muon.optim._update import Bucket, Chooser, ParamDiagnostics
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+#: The most bytes one FSDP2 exchange buffer holds per rank by default (a round of exchanges stays within it,
+#: see `lightning_muon.optim._plan.exchange_rounds`): large enough for all-to-alls at full bandwidth and for
+#: batched Newton-Schulz calls that gain nothing from growing further, small next to an accelerator's memory.
+EXCHANGE_ROUND_BYTES = 64 << 20
+
+#: What a step on one process says it does.
+ALONE = "Newton-Schulz runs on this process alone"
 
 
-class LocalStep:
-    """Every bucket orthogonalised here, bucket by bucket (DTensors gathered whole on every rank)."""
+class Strategy(ABC):
+    """How a Muon step runs: which parameters step (`buckets`), then momentum, Newton-Schulz and apply (`run`)."""
 
-    #: Ranks that must agree on which parameters have gradients (``None``: no other rank takes part).
-    world: World | None = None
-    #: Where they agree (`agree`): on a CPU tensor wherever the backend allows, so no device sync.
-    agreement: Agreement | None = None
     #: Sharded matrices are orthogonalised one at a time, each gathered whole.
-    whole_dtensors = True
-    #: Bytes this rank sent in the last step's exchanges.
-    exchanged_bytes = 0
-    #: Every parameter needs a momentum buffer from the first step on (DTensor parameters: a distributed
-    #: checkpoint of FSDP2 resumes only when it has a state for every parameter).
-    complete_state = False
-    #: ``(key, plan)`` of the last step (`_planned`).
-    _last_plan: tuple[Any, Any] | None = None
+    whole_dtensors: ClassVar[bool] = True
+    #: Ranks exchange work, so every rank must build the same buckets (`_update.collect_buckets`).
+    synced: ClassVar[bool] = False
 
-    def __init__(self, description: str = "Newton-Schulz runs on this process alone", fallback: bool = False) -> None:
+    def __init__(self, description: str, *, fallback: bool = False, complete_state: bool = False) -> None:
         #: Which path the run takes, a clause for the rank-zero line of `choose_strategy`.
         self.description = description
         #: Whether that path is a fallback that repeats the Newton-Schulz work on every rank.
         self.fallback = fallback
+        #: Every parameter needs a momentum buffer from the first step on (DTensor parameters: a distributed
+        #: checkpoint of FSDP2 resumes only when it has a state for every parameter).
+        self.complete_state = complete_state
+        #: Bytes this rank sent in the last step's exchanges.
+        self.exchanged_bytes = 0
 
     def agree(self, flags: list[bool], device: torch.device) -> list[bool]:
-        """``flags`` (one per parameter: has it a gradient?) ORed over the world's ranks, so that every rank
-        builds the same buckets; ``flags`` itself without a world. ``device``: the parameters' device, used only
-        where the backend cannot all-reduce a CPU tensor (see `lightning_muon.optim._collectives.agreement_path`)."""
-        if self.agreement is None:
-            return flags
-        return any_rank(flags, self.agreement.device or device, self.agreement.group)
+        """``flags`` (one per parameter: has it a gradient?) as every rank that takes part sees them: here,
+        ``flags`` itself (no other rank)."""
+        return flags
 
-    def _planned(self, buckets: Sequence[Bucket], plan: Callable[[], T], limit: int = 0) -> T:
-        """``plan()``, computed again only when what a plan reads changes (the buckets' parameter counts, FLOPs
-        and exchange layouts, and the exchange ``limit``), else the last step's: a plan of a large model is
-        milliseconds of Python (1,000 matrices, 64 ranks: ~5 ms) that most steps would repeat."""
-        key = (tuple((len(b.params), b.flops, b.exchange_layout) for b in buckets), limit)
-        if self._last_plan is None or self._last_plan[0] != key:
-            self._last_plan = (key, plan())
-        return cast(T, self._last_plan[1])
+    def buckets(self, param_groups: list[dict[str, Any]], state: Any, named: bool) -> list[Bucket]:
+        """The buckets of a step: every parameter with a gradient (on any rank that takes part), momentum
+        buffers created in the optimizer's ``state``; ``named``: with the parameters' names (diagnostics)."""
+        every = [p for group in param_groups for p in group["params"]]
+        has_grad = [p.grad is not None for p in every]
+        if every:
+            has_grad = self.agree(has_grad, every[0].device)
+        if self.complete_state:  # a zero buffer steps exactly as a fresh one when a gradient comes
+            for p in every:
+                state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+        return _update.collect_buckets(
+            param_groups, state, has_grad, whole_dtensors=self.whole_dtensors, synced=self.synced, named=named
+        )
+
+    @abstractmethod
+    def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
+        """Momentum, Newton-Schulz and apply for every bucket; the diagnostics of the matrices ``diagnose``
+        chooses (none without it)."""
+
+
+class LocalStep(Strategy):
+    """Every bucket orthogonalised here, bucket by bucket (DTensors gathered whole on every rank)."""
+
+    def __init__(self, description: str = ALONE, *, fallback: bool = False, complete_state: bool = False) -> None:
+        super().__init__(description, fallback=fallback, complete_state=complete_state)
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
-        """Momentum, Newton-Schulz and apply for every bucket; the diagnostics of the chosen matrices."""
         diagnostics: list[ParamDiagnostics] = []
         # Call by call (a bucket, or one with its transposed twin: `ns_batches`), so a matrix's buffer and
         # gradient are still in cache for its whole update (on CPU, sweeping every buffer first and
         # orthogonalising afterwards measured slower).
         for batch in _update.ns_batches(buckets):
             chosen = [buckets[j] for j in batch]
-            results = _update.orthogonalise_together(chosen, [_update.momentum(b) for b in chosen])
+            results = _update.orthogonalise_buckets(chosen, [_update.momentum(b) for b in chosen])
             for bucket, orthogonal in zip(chosen, results, strict=True):
                 _update.apply(bucket, orthogonal)
                 if diagnose is not None:
@@ -107,44 +138,65 @@ class LocalStep:
         return diagnostics
 
 
-class ReplicatedStep(LocalStep):
+class DistributedStep(Strategy):
+    """A step whose Newton-Schulz work the ranks of a `World` share: they agree on which parameters have
+    gradients, plan alike who orthogonalises what, and exchange the results."""
+
+    synced = True
+
+    def __init__(self, world: World, agreement: Agreement, description: str, *, complete_state: bool) -> None:
+        super().__init__(description, complete_state=complete_state)
+        #: The ranks that share the work.
+        self.world = world
+        #: Where they agree (`agree`): on a CPU tensor wherever the backend allows, so no device sync.
+        self.agreement = agreement
+        #: The exchange buffers, kept between steps.
+        self.buffers = ExchangeBuffers()
+
+    def agree(self, flags: list[bool], device: torch.device) -> list[bool]:
+        """``flags`` ORed over the world's ranks, so that every rank builds the same buckets. ``device``: the
+        parameters' device, used only where the backend cannot all-reduce a CPU tensor (see
+        `lightning_muon.optim._collectives.agreement_path`)."""
+        return any_rank(flags, self.agreement.device or device, self.agreement.group)
+
+
+class ReplicatedStep(DistributedStep):
     """DDP: each rank orthogonalises its share of the matrices; the results are all-gathered; all apply all.
 
     Every rank keeps every momentum buffer (Lightning checkpoints rank 0), so parameters stay identical.
     """
 
     def __init__(self, world: World) -> None:
+        ranks = f"{world.size} DDP ranks" + ("" if world.group is None else " of the given process group")
         super().__init__(
-            f"Newton-Schulz split over {world.size} DDP ranks (each orthogonalises a FLOP-balanced share of the "
-            "matrices, the updates are all-gathered)"
+            world,
+            make_agreement(world.group),
+            f"Newton-Schulz split over {ranks} (each orthogonalises a FLOP-balanced share of the matrices, the "
+            "updates are all-gathered)",
+            complete_state=False,
         )
-        self.world = world
-        self.agreement = make_agreement(world.group)
-        # Reused between steps: allocating and faulting in a copy of all updates every step measured
-        # ~20% of a split step.
-        self._buffers: dict = {}
+        self._plans: PlanCache[list[Job]] = PlanCache()
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
-        assert self.world is not None
         if not buckets:  # the same on every rank: which parameters have gradients was agreed
             return []
-        size = self.world.size
-        jobs = self._planned(buckets, lambda: plan_jobs(buckets, size))
+        size, rank = self.world.size, self.world.rank
+        jobs = self._plans.get(buckets, lambda: plan_jobs(buckets, size))
         parts = [sub_bucket(buckets[job.bucket], job.indices) for job in jobs]
         local = {}
         for j, (job, part) in enumerate(zip(jobs, parts, strict=True)):
-            if job.owner == self.world.rank:
-                local[j] = _update.orthogonalise(part, _update.momentum(part))
+            if job.owner == rank:
+                local[j] = _update.orthogonalise_buckets([part], [_update.momentum(part)])[0]
         # Every rank keeps every momentum buffer; only the owner needs the update itself.
-        mine = {job.bucket: set(job.indices) for job in jobs if job.owner == self.world.rank}
+        mine = {job.bucket: set(job.indices) for job in jobs if job.owner == rank}
         for b, bucket in enumerate(buckets):
             others = [i for i in range(len(bucket.params)) if i not in mine.get(b, ())]
             if others:
-                _update.momentum(sub_bucket(bucket, others), update=False)
+                _update.advance_momentum(sub_bucket(bucket, others))
         device = buckets[0].params[0].device
-        layouts = [part.exchange_layout for part in parts]
+        layouts = [exchange_layout(part) for part in parts]
         owners = [job.owner for job in jobs]
-        gathered = all_gather_results(local, owners, layouts, self.world, device, self._buffers)
+        gathered = all_gather_results(local, owners, layouts, self.world, device, self.buffers)
         self.exchanged_bytes = int(sum(t.numel() * t.element_size() for ts in local.values() for t in ts))
         diagnostics: list[ParamDiagnostics] = []
         for bucket, orthogonal in zip(buckets, in_bucket_order(buckets, jobs, gathered), strict=True):
@@ -154,13 +206,7 @@ class ReplicatedStep(LocalStep):
         return diagnostics
 
 
-#: The most bytes one FSDP2 exchange buffer holds per rank (a round of exchanges stays within it, see
-#: `lightning_muon.optim._plan.exchange_rounds`): large enough for all-to-alls at full bandwidth and for batched
-#: Newton-Schulz calls that gain nothing from growing further, small next to an accelerator's memory.
-EXCHANGE_ROUND_BYTES = 64 << 20
-
-
-class ShardedStep(LocalStep):
+class ShardedStep(DistributedStep):
     """FSDP2: each job's row shards go to its owner rank, which orthogonalises the whole matrices and
     sends every rank back its rows of the result; every rank applies its own rows. Momentum stays sharded.
 
@@ -176,28 +222,28 @@ class ShardedStep(LocalStep):
 
     whole_dtensors = False
 
-    def __init__(self, world: World) -> None:
-        #: Most bytes one exchange buffer holds in a round (`EXCHANGE_ROUND_BYTES` unless changed).
-        self.round_bytes = EXCHANGE_ROUND_BYTES
+    def __init__(self, world: World, *, round_bytes: int = EXCHANGE_ROUND_BYTES) -> None:
         where = f"{world.size} ranks"
         if world.replicas > 1:
             where = f"the {world.size} ranks of the mesh's shard dim, repeated by each of its {world.replicas} replicas"
-        super().__init__(
-            f"Newton-Schulz on FSDP2 owner ranks: {where} (each matrix's shards go to one owner and its rows come "
-            f"back, in rounds of at most {self.round_bytes / 2**20:g} MiB per exchange buffer)"
-        )
-        self.world = world
         # HSDP: the replicas agree too (their flags are the same), so over the whole job where the mesh spans it.
-        spans = world.replicas > 1 and world.size * world.replicas == torch.distributed.get_world_size()
-        self.agreement = make_agreement(None if spans else world.group)
-        self.buffers = ExchangeBuffers()
+        spans = world.replicas > 1 and world.size * world.replicas == dist.get_world_size()
+        super().__init__(
+            world,
+            make_agreement(None if spans else world.group),
+            f"Newton-Schulz on FSDP2 owner ranks: {where} (each matrix's shards go to one owner and its rows come "
+            f"back, in rounds of at most {round_bytes / 2**20:g} MiB per exchange buffer)",
+            complete_state=True,
+        )
+        #: Most bytes one exchange buffer holds in a round.
+        self.round_bytes = round_bytes
+        self._plans: PlanCache[list[list[Job]]] = PlanCache()
         #: Rounds of exchanges the last step took.
         self.rounds = 0
         #: Bytes of the largest exchange buffer the last step needed (at most `round_bytes`, or one parameter).
         self.largest_buffer = 0
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
-        assert self.world is not None
         self.exchanged_bytes = self.buffers.largest = 0
         self.rounds = self.largest_buffer = 0
         if not buckets:  # the same on every rank: which parameters have gradients was agreed
@@ -205,7 +251,9 @@ class ShardedStep(LocalStep):
         # The local shards (views: in-place updates reach the DTensors) do all the elementwise work.
         local = [bucket.local() for bucket in buckets]
         size, limit = self.world.size, self.round_bytes
-        rounds = self._planned(buckets, lambda: exchange_rounds(buckets, plan_jobs(buckets, size), size, limit), limit)
+        rounds = self._plans.get(
+            buckets, lambda: exchange_rounds(buckets, plan_jobs(buckets, size), size, limit), limit
+        )
         chosen = {} if diagnose is None else chosen_rows(buckets, diagnose)
         values = torch.zeros(len(chosen), 2, device=local[0].params[0].device)
         for jobs in rounds:
@@ -216,7 +264,7 @@ class ShardedStep(LocalStep):
         if diagnose is None:
             return []
         # Owners measured the whole updates they computed; one all-reduce gives every rank every number.
-        torch.distributed.all_reduce(values, group=self.world.group)
+        dist.all_reduce(values, group=self.world.group)
         return [
             ParamDiagnostics(buckets[b].names[i], tuple(buckets[b].params[i].shape), buckets[b].effective_lr, *row)
             for (b, i), row in zip(chosen, values, strict=True)
@@ -225,7 +273,6 @@ class ShardedStep(LocalStep):
     def _round(self, buckets: Sequence[Bucket], local: Sequence[Bucket], jobs: Sequence[Job]) -> dict[int, Tensor]:
         """One round: momentum of the round's rows, shards to their owners, Newton-Schulz there, rows back,
         apply. Returns the whole results this rank computed, by the index of their job in ``jobs``."""
-        assert self.world is not None
         touched: dict[int, list[int]] = {}  # bucket -> its positions in this round: one foreach call per bucket
         for job in jobs:
             touched.setdefault(job.bucket, []).extend(job.indices)
@@ -235,13 +282,13 @@ class ShardedStep(LocalStep):
             update_of.update(zip([(b, i) for i in ix], _update.momentum(part), strict=True))
         shards = [[update_of[job.bucket, i] for i in job.indices] for job in jobs]
         owners = [job.owner for job in jobs]
-        layouts = [sub_bucket(buckets[job.bucket], job.indices).exchange_layout for job in jobs]
+        layouts = [exchange_layout(sub_bucket(buckets[job.bucket], job.indices)) for job in jobs]
         whole = gather_to_owners(shards, owners, layouts, self.world, self.buffers)
-        results = {j: _update.orthogonalise_stack(buckets[jobs[j].bucket].group, stack) for j, stack in whole.items()}
+        results = {j: _update.orthogonalise(buckets[jobs[j].bucket].group, stack) for j, stack in whole.items()}
         device = local[0].params[0].device
         mine = scatter_from_owners(results, owners, layouts, self.world, device, self.buffers)
         self.exchanged_bytes += sum(
-            s.numel() * layout[2].itemsize for ss, layout in zip(shards, layouts, strict=True) for s in ss
+            s.numel() * layout.dtype.itemsize for ss, layout in zip(shards, layouts, strict=True) for s in ss
         ) + sum(r.numel() * r.element_size() for r in results.values())
         rows_of: dict[tuple[int, int], Tensor] = {}
         for job, got in zip(jobs, mine, strict=True):
@@ -278,40 +325,150 @@ def measure_into(
 _log = logging.getLogger("lightning_muon")
 
 
-def choose_strategy(params: Sequence[Tensor], split_ns: bool, stacks: bool = False) -> LocalStep:
-    """The strategy for these parameters under the current process group (see the module docstring), said
-    in one line on rank zero: at INFO where the work could be split (several ranks, or DTensor parameters), at
-    DEBUG on a single process, and as a warning for a fallback that repeats the Newton-Schulz work on every rank.
+def choose_strategy(
+    params: Sequence[Tensor],
+    split_ns: bool,
+    stacks: bool = False,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    device_mesh: DeviceMesh | None = None,
+    round_bytes: int = EXCHANGE_ROUND_BYTES,
+) -> Strategy:
+    """The strategy for these parameters (see the module docstring), said in one line on rank zero: at INFO
+    where the work could be split (several ranks, or DTensor parameters), at DEBUG on a single process, and as
+    a warning for a fallback that repeats the Newton-Schulz work on every rank.
 
-    With ``stacks`` (some parameter holds a stack of matrices, sharded on its stack dim under FSDP2), every
-    rank gathers the whole matrices instead of the owner exchange, which splits matrix rows.
+    Replicated parameters split their work over ``process_group`` (default: the default group), DTensors over
+    ``device_mesh`` (default: their own mesh). With ``stacks`` (some parameter holds a stack of matrices,
+    sharded on its stack dim under FSDP2), every rank gathers the whole matrices instead of the owner exchange,
+    which splits matrix rows. ``round_bytes``: the most bytes of one FSDP2 exchange buffer (`ShardedStep`).
     """
-    strategy = _choose(params, split_ns, stacks)
-    strategy.complete_state = any(is_dtensor(p) for p in params)
-    initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if initialised and torch.distributed.get_rank() != 0:
+    strategy = _choose(params, split_ns, stacks, process_group, device_mesh, round_bytes)
+    initialised = dist.is_available() and dist.is_initialized()
+    if initialised and dist.get_rank() != 0:
         return strategy
     message = f"Muon: {strategy.description}."
     if strategy.fallback:
-        warnings.warn(message, UserWarning, stacklevel=4)  # at the caller of Muon.step
+        warnings.warn(message, UserWarning, stacklevel=6)  # the caller of optimizer.step() (past torch's two wrappers)
     else:
-        several = initialised and torch.distributed.get_world_size() > 1
+        several = initialised and dist.get_world_size() > 1
         _log.log(logging.INFO if several or strategy.complete_state else logging.DEBUG, message)
     return strategy
 
 
-def _choose(params: Sequence[Tensor], split_ns: bool, stacks: bool) -> LocalStep:
-    several = torch.distributed.is_available() and torch.distributed.is_initialized()
-    several = several and torch.distributed.get_world_size() > 1
+def _choose(
+    params: Sequence[Tensor],
+    split_ns: bool,
+    stacks: bool,
+    process_group: dist.ProcessGroup | None,
+    device_mesh: DeviceMesh | None,
+    round_bytes: int,
+) -> Strategy:
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     dtensors = any(is_dtensor(p) for p in params)
     if not split_ns:
+        if not (several or dtensors):
+            return LocalStep()
         whole = "gathers and orthogonalises every whole matrix" if dtensors else "orthogonalises every matrix"
-        return LocalStep(f"every rank {whole} (split_ns=False)") if several or dtensors else LocalStep()
+        return LocalStep(f"every rank {whole} (split_ns=False)", complete_state=dtensors)
     if dtensors:
         stacked = "a parameter holds a stack of matrices (sharded on its stack dim)"
-        sharded = stacked if stacks else sharded_world(params)
+        sharded = stacked if stacks else sharded_world(params, device_mesh)
         if isinstance(sharded, World):
-            return ShardedStep(sharded)
-        return LocalStep(f"every rank gathers and orthogonalises every whole matrix (not split: {sharded})", several)
-    replicated = replicated_world(params) if params else None
+            return ShardedStep(sharded, round_bytes=round_bytes)
+        whole = f"every rank gathers and orthogonalises every whole matrix (not split: {sharded})"
+        return LocalStep(whole, fallback=several, complete_state=True)
+    replicated = replicated_world(process_group) if params else None
     return ReplicatedStep(replicated) if replicated is not None else LocalStep()
+
+
+class StrategyChoice:
+    """The strategy an optimizer steps with, and what it was chosen from.
+
+    Chosen at the first step (`for_step`), and again when ``split_ns`` changes or, without an explicit
+    ``process_group`` or ``device_mesh``, when the default process group does: an optimizer stepped before
+    ``init_process_group`` (or after a ``destroy_process_group``) takes the distributed path once there is one.
+    """
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        device_mesh: DeviceMesh | None = None,
+        round_bytes: int = EXCHANGE_ROUND_BYTES,
+    ) -> None:
+        _check_where(process_group, device_mesh, round_bytes)
+        #: The process group replicated parameters split their work over (``None``: the default group).
+        self.process_group = process_group
+        #: The device mesh DTensor parameters must live on (``None``: the one they share).
+        self.device_mesh = device_mesh
+        #: The most bytes of one FSDP2 exchange buffer (`ShardedStep`).
+        self.round_bytes = round_bytes
+        #: The strategy of the last step (``None`` before the first).
+        self.chosen: Strategy | None = None
+        self._chosen_from: tuple[bool, object] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy chooses its own strategy (the chosen one holds process groups and buffers).
+        return {**self.__dict__, "chosen": None, "_chosen_from": None}
+
+    def for_step(self, params: Sequence[Tensor], split_ns: bool, stacks: bool) -> Strategy:
+        """The strategy of this step: the last one, unless what it was chosen from changed."""
+        chosen_from = (split_ns, self._default_group())
+        if self.chosen is None or self._chosen_from != chosen_from:
+            self.chosen = choose_strategy(
+                params, split_ns, stacks,
+                process_group=self.process_group, device_mesh=self.device_mesh, round_bytes=self.round_bytes,
+            )
+            self._chosen_from = chosen_from
+        return self.chosen
+
+    def _default_group(self) -> object:
+        """The default process group (``None`` before ``init_process_group``), where the choice depends on it."""
+        if self.process_group is not None or self.device_mesh is not None or not dist.is_available():
+            return None
+        return dist.group.WORLD
+
+    def refusal(self, param: Tensor) -> str | None:
+        """Why ``param`` cannot step under the explicit process group or device mesh, or ``None``."""
+        if self.process_group is not None and is_dtensor(param):
+            return "it is a DTensor, whose work is split over its device mesh: pass device_mesh, not process_group."
+        if self.device_mesh is None:
+            return None
+        if not is_dtensor(param):
+            return "device_mesh is for DTensor parameters (FSDP2, HSDP): pass process_group for replicated ones."
+        mesh = param.device_mesh  # type: ignore[attr-defined]
+        return None if mesh == self.device_mesh else f"it lives on {mesh}, not on device_mesh {self.device_mesh}."
+
+
+def _check_where(process_group: object, device_mesh: object, round_bytes: object) -> None:
+    """Refuse an explicit process group or device mesh that cannot be one, and a bad round size, naming the value."""
+    if process_group is not None and device_mesh is not None:
+        raise ValueError(
+            f"Muon takes a process_group (replicated parameters) or a device_mesh (DTensors), not both: got "
+            f"process_group={process_group!r} and device_mesh={device_mesh!r}"
+        )
+    if process_group is not None:
+        _check_process_group(process_group)
+    if device_mesh is not None:
+        _check_device_mesh(device_mesh)
+    if isinstance(round_bytes, bool) or not isinstance(round_bytes, int) or round_bytes < 1:
+        raise ValueError(f"Invalid exchange_round_bytes: {round_bytes!r} (must be an int >= 1)")
+
+
+def _check_process_group(group: object) -> None:
+    if dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"process_group={group!r} is torch.distributed's mark of a group this rank is not in: give the "
+            "optimizer a group that this rank belongs to"
+        )
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {group!r}")
+
+
+def _check_device_mesh(mesh: object) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got {mesh!r}")
+    if mesh.ndim > 2:
+        raise ValueError(f"device_mesh must be 1-D (FSDP2) or 2-D (HSDP: replicate, then shard), got {mesh!r}")

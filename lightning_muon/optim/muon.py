@@ -26,21 +26,26 @@ AdamW: `lightning_muon.route_parameters` sorts them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_muon.optim import _update
-from lightning_muon.optim._strategies import LocalStep, choose_strategy
-from lightning_muon.optim._update import ADJUST_LR_FNS, Bucket, Chooser, ParamDiagnostics, adjust_lr
+from lightning_muon.optim import groups
+from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES, StrategyChoice
+from lightning_muon.optim._update import Chooser, ParamDiagnostics
+from lightning_muon.optim.groups import ADJUST_LR_FNS, adjust_lr
 from lightning_muon.optim.newton_schulz import (
     DEFAULT_EPS,
     DEFAULT_NS_COEFFICIENTS,
     DEFAULT_NS_STEPS,
     NS_COEFFICIENT_SCHEDULES,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["ADJUST_LR_FNS", "DEFAULT_GRAM_ASPECT", "Muon", "ParamDiagnostics", "adjust_lr"]
 
@@ -55,56 +60,60 @@ _OWN_GROUP_KEYS: dict[str, Any] = {
 }
 
 
-def _checked_arguments(
-    lr: float | Tensor,
-    weight_decay: float,
-    momentum: float,
-    eps: float,
-    adjust_lr_fn: str | None,
-    ns_coefficients: tuple[float, float, float] | str,
-    ns_steps: int,
-    ns_dtype: torch.dtype | str,
-    ns_batch_bytes: int | None,
-    ns_gram_aspect: float | None,
-) -> torch.dtype:
-    """Refuse bad constructor arguments as ``torch.optim.Muon`` does (quoting the value); the NS dtype."""
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _valid_coefficients(value: Any) -> bool:
+    return value in NS_COEFFICIENT_SCHEDULES if isinstance(value, str) else len(tuple(value)) == 3
+
+
+#: The constructor's checks, in order, as ``torch.optim.Muon`` words them: argument -> (its name in the message,
+#: whether a value is valid, what it must be). Stricter than torch on ``momentum`` (at 1 the buffer never takes
+#: in a gradient, so the matrices never move; above 1 it grows without bound: NaN weights from finite
+#: gradients) and ``ns_steps`` (0 steps would apply the normalised momentum itself, not an orthogonalised update).
+_CHECKS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
+    "lr": ("learning rate lr", lambda v: 0.0 <= v, "must be >= 0"),
+    "momentum": ("momentum value", lambda v: 0.0 <= v < 1.0, "must be in [0, 1); Keller Jordan's default is 0.95"),
+    "weight_decay": ("weight_decay value", lambda v: 0.0 <= v, "must be >= 0"),
+    "eps": ("eps value", lambda v: 0.0 <= v, "must be >= 0"),
+    "adjust_lr_fn": (
+        "adjust_lr_fn", lambda v: v is None or v in ADJUST_LR_FNS, f"must be None or one of {ADJUST_LR_FNS}"
+    ),
+    "ns_coefficients": (
+        "ns_coefficients",
+        _valid_coefficients,
+        f"must be three numbers (a, b, c) or one of {sorted(NS_COEFFICIENT_SCHEDULES)}",
+    ),
+    "ns_gram_aspect": (
+        "ns_gram_aspect", lambda v: v is None or (_is_number(v) and v >= 1), "must be None or a number >= 1"
+    ),
+    "ns_steps": ("ns_steps", lambda v: _is_int(v) and 1 <= v < 100, "must be an int in [1, 100); the default is 5"),
+    "ns_dtype": (
+        "ns_dtype",
+        lambda v: isinstance(v, torch.dtype) and v.is_floating_point,
+        "must be a floating dtype, e.g. torch.bfloat16",
+    ),
+    "ns_batch_bytes": ("ns_batch_bytes", lambda v: v is None or (_is_int(v) and v >= 0), "must be None or an int >= 0"),
+}
+
+
+def _checked_arguments(arguments: dict[str, Any]) -> torch.dtype:
+    """Refuse bad constructor arguments (`_CHECKS`, quoting the value); the Newton-Schulz dtype."""
+    lr = arguments["lr"]
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate lr: {lr} (must be >= 0)")
-    # Stricter than torch.optim.Muon, which accepts both: at momentum 1 the buffer never takes in a gradient
-    # (the matrices never move), above 1 it grows without bound (NaN weights from finite gradients).
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"Invalid momentum value: {momentum} (must be in [0, 1); Keller Jordan's default is 0.95)")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid eps value: {eps} (must be >= 0)")
-    if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"Invalid adjust_lr_fn: {adjust_lr_fn!r} (must be None or one of {ADJUST_LR_FNS})")
-    if isinstance(ns_coefficients, str):
-        if ns_coefficients not in NS_COEFFICIENT_SCHEDULES:
-            raise ValueError(
-                f"Invalid ns_coefficients: {ns_coefficients!r} (must be three numbers (a, b, c) or one of "
-                f"{sorted(NS_COEFFICIENT_SCHEDULES)})"
-            )
-    elif len(tuple(ns_coefficients)) != 3:
-        raise ValueError(f"Invalid ns_coefficients: {ns_coefficients!r} (must be three numbers (a, b, c))")
-    if ns_gram_aspect is not None and (
-        isinstance(ns_gram_aspect, bool) or not isinstance(ns_gram_aspect, int | float) or not ns_gram_aspect >= 1
-    ):
-        raise ValueError(f"Invalid ns_gram_aspect: {ns_gram_aspect!r} (must be None or a number >= 1)")
-    # Stricter than torch: 0 steps would apply the normalised momentum itself, not an orthogonalised update.
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 1 <= ns_steps < 100:
-        raise ValueError(f"Invalid ns_steps: {ns_steps!r} (must be an int in [1, 100); the default is 5)")
+    ns_dtype = arguments["ns_dtype"]
     if isinstance(ns_dtype, str):  # "bfloat16" or "torch.bfloat16", as YAML and saved hparams spell it
         ns_dtype = getattr(torch, ns_dtype.removeprefix("torch."), ns_dtype)
-    if not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
-        raise ValueError(f"Invalid ns_dtype: {ns_dtype!r} (must be a floating dtype, e.g. torch.bfloat16)")
-    if ns_batch_bytes is not None and (
-        isinstance(ns_batch_bytes, bool) or not isinstance(ns_batch_bytes, int) or ns_batch_bytes < 0
-    ):
-        raise ValueError(f"Invalid ns_batch_bytes: {ns_batch_bytes!r} (must be None or an int >= 0)")
+    for name, (what, valid, must) in _CHECKS.items():
+        value = ns_dtype if name == "ns_dtype" else arguments[name]
+        if not valid(value):
+            raise ValueError(f"Invalid {what}: {value!r} ({must})")
     return ns_dtype
 
 
@@ -116,8 +125,8 @@ def _refusal(p: Tensor, layout: str) -> str | None:
             "Optimize biases, norms, scalars and embeddings with AdamW "
             "(lightning_muon.route_parameters splits a model for you)."
         )
-    if layout not in _update.LAYOUTS:
-        return f"its matrix layout {layout!r} is none of {_update.LAYOUTS}."
+    if layout not in groups.LAYOUTS:
+        return f"its matrix layout {layout!r} is none of {groups.LAYOUTS}."
     if (layout == "stack" and p.ndim < 3) or (layout == "in_out" and p.ndim != 2):
         return f"the layout {layout!r} needs {'3 or more' if layout == 'stack' else '2'} dimensions."
     return None
@@ -164,7 +173,18 @@ class Muon(Optimizer):
             every rank back its rows; momentum stays sharded (HSDP: within each replica's shard group).
             ``False``: every rank does all the work, as ``torch.optim.Muon`` (under FSDP2 every rank
             gathers and orthogonalises every whole matrix). Newton-Schulz never runs on a shard.
+        process_group: the ranks that split the work of replicated (DDP) parameters (default: the default
+            group). Without it (or ``device_mesh``) the path follows the default group: a step taken before
+            ``init_process_group`` runs alone, and the first step after it chooses the split again.
+        device_mesh: the mesh every DTensor parameter must live on, for FSDP2's owner ranks (1-D mesh) or
+            HSDP's (2-D: replicate, then shard); default: the mesh the parameters share.
+        exchange_round_bytes: most bytes of one FSDP2 exchange buffer per rank (default 64 MiB).
     """
+
+    #: Which parameters the next step diagnoses (`record_diagnostics`; ``None``: none).
+    _diagnose: Chooser | None
+    #: What the last step that recorded diagnostics did, one entry per diagnosed matrix.
+    diagnostics: list[ParamDiagnostics]
 
     def __init__(
         self,
@@ -182,11 +202,15 @@ class Muon(Optimizer):
         ns_batch_bytes: int | None = None,
         ns_gram_aspect: float | None = DEFAULT_GRAM_ASPECT,
         split_ns: bool = True,
+        process_group: ProcessGroup | None = None,
+        device_mesh: DeviceMesh | None = None,
+        exchange_round_bytes: int = EXCHANGE_ROUND_BYTES,
     ) -> None:
-        ns_dtype = _checked_arguments(
-            lr, weight_decay, momentum, eps, adjust_lr_fn, ns_coefficients, ns_steps, ns_dtype, ns_batch_bytes,
-            ns_gram_aspect,
-        )
+        ns_dtype = _checked_arguments({
+            "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "eps": eps, "adjust_lr_fn": adjust_lr_fn,
+            "ns_coefficients": ns_coefficients, "ns_steps": ns_steps, "ns_dtype": ns_dtype,
+            "ns_batch_bytes": ns_batch_bytes, "ns_gram_aspect": ns_gram_aspect,
+        })
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -197,22 +221,24 @@ class Muon(Optimizer):
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
             # Kept by name: torch.distributed.checkpoint cannot save a torch.dtype in param groups.
-            "ns_dtype": _update.dtype_name(ns_dtype),
+            "ns_dtype": groups.dtype_name(ns_dtype),
             "ns_batch_bytes": ns_batch_bytes,
             "ns_gram_aspect": ns_gram_aspect,
         }
         #: Split the Newton-Schulz work across ranks: under DDP each rank orthogonalises a share of the
         #: matrices (results all-gathered); under FSDP2 each matrix is orthogonalised on one owner rank.
         self.split_ns = split_ns
+        #: Where the Newton-Schulz work runs: the strategy, chosen at the first step (`StrategyChoice`).
+        self._choice = StrategyChoice(process_group, device_mesh, exchange_round_bytes)
+        self._clear_records()
+        super().__init__(params, defaults)
+
+    def _clear_records(self) -> None:
+        """No step taken yet: no exchange, no diagnostics."""
         #: Bytes this rank put into the last distributed step's exchanges, its share to itself included
         #: (0 when nothing was exchanged).
         self.last_exchange_bytes = 0
-        #: ``(split_ns, strategy)``, chosen at the first step (`lightning_muon.optim._strategies`).
-        self._strategy: tuple[bool, LocalStep] | None = None
-        self._diagnose: Chooser | None = None
-        #: What the last step that recorded diagnostics did, one entry per diagnosed matrix.
-        self.diagnostics: list[ParamDiagnostics] = []
-        super().__init__(params, defaults)
+        self.clear_diagnostics()
 
     # ------------------------------------------------------------------ groups
 
@@ -225,17 +251,22 @@ class Muon(Optimizer):
         if layouts is not None and (isinstance(layouts, str) or len(layouts) != len(group["params"])):
             self.param_groups.pop()
             raise ValueError(
-                f"matrix_layouts must be a list with one of {_update.LAYOUTS} per parameter of the group "
+                f"matrix_layouts must be a list with one of {groups.LAYOUTS} per parameter of the group "
                 f"({len(group['params'])}), got {layouts!r}"
             )
-        for i, (p, layout) in enumerate(zip(group["params"], _update.layouts_of(group), strict=True)):
-            problem = _refusal(p, layout)
+        for i, (p, layout) in enumerate(zip(group["params"], groups.layouts_of(group), strict=True)):
+            problem = _refusal(p, layout) or self._choice.refusal(p)
             if problem is not None:
                 self.param_groups.pop()  # refuse the whole group, as if it had never been added
                 raise ValueError(
-                    f"Muon got {_update.describe_param(group, i, first_index + i)} of shape {tuple(p.shape)}: "
+                    f"Muon got {groups.describe_param(group, i, first_index + i)} of shape {tuple(p.shape)}: "
                     + problem
                 )
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's keeps defaults, state and param_groups: the settings of this optimizer travel too (a copy
+        # chooses its own strategy at its first step; an explicit process group cannot be pickled).
+        return {**super().__getstate__(), "split_ns": self.split_ns, "_choice": self._choice}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -243,16 +274,15 @@ class Muon(Optimizer):
         for group in self.param_groups:
             for key, default in _OWN_GROUP_KEYS.items():
                 group.setdefault(key, self.defaults.get(key, default))
-        attributes: dict[str, Any] = {"_diagnose": None, "split_ns": True, "last_exchange_bytes": 0, "_strategy": None}
-        for name, value in {**attributes, "diagnostics": []}.items():
-            self.__dict__.setdefault(name, value)
+        if "diagnostics" not in self.__dict__:  # unpickled: no step taken yet
+            self._clear_records()
 
     def effective_lr(self, param: Tensor) -> float:
         """The learning rate `param` really gets: its group's ``lr`` after `adjust_lr`."""
         for group in self.param_groups:
-            for p, layout in zip(group["params"], _update.layouts_of(group), strict=True):
+            for p, layout in zip(group["params"], groups.layouts_of(group), strict=True):
                 if p is param:
-                    return _update.group_effective_lr(group, param.shape, layout)
+                    return groups.group_effective_lr(group, param.shape, layout)
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not in this optimizer")
 
     # ------------------------------------------------------------- diagnostics
@@ -287,37 +317,11 @@ class Muon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         diagnose, self._diagnose = self._diagnose, None
-        strategy = self._strategy_for_step()
-        buckets = self._buckets(strategy, diagnose is not None)
-        diagnostics = strategy.run(buckets, diagnose)
+        every = [p for group in self.param_groups for p in group["params"]]
+        stacks = any("stack" in groups.layouts_of(group) for group in self.param_groups)
+        strategy = self._choice.for_step(every, self.split_ns, stacks)
+        diagnostics = strategy.run(strategy.buckets(self.param_groups, self.state, diagnose is not None), diagnose)
         self.last_exchange_bytes = strategy.exchanged_bytes
         if diagnose is not None:
             self.diagnostics = diagnostics
         return loss
-
-    def _strategy_for_step(self) -> LocalStep:
-        """The distribution strategy, chosen at the first step (and again if ``split_ns`` changes)."""
-        if self._strategy is None or self._strategy[0] != self.split_ns:
-            every = [p for group in self.param_groups for p in group["params"]]
-            stacks = any("stack" in _update.layouts_of(group) for group in self.param_groups)
-            self._strategy = (self.split_ns, choose_strategy(every, self.split_ns, stacks))
-        return self._strategy[1]
-
-    def _buckets(self, strategy: LocalStep, named: bool) -> list[Bucket]:
-        """The buckets of this step: every parameter with a gradient (on any rank of the strategy's world)."""
-        every = [p for group in self.param_groups for p in group["params"]]
-        has_grad = [p.grad is not None for p in every]
-        if strategy.world is not None and every:
-            # Every rank must build the same buckets: a gradient missing on one rank is zero there.
-            has_grad = strategy.agree(has_grad, every[0].device)
-        if strategy.complete_state:  # a zero buffer steps exactly as a fresh one when a gradient comes
-            for p in every:
-                self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-        return _update.collect_buckets(
-            self.param_groups,
-            self.state,
-            has_grad,
-            whole_dtensors=strategy.whole_dtensors,
-            synced=strategy.world is not None,
-            named=named,
-        )

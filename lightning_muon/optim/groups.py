@@ -1,0 +1,187 @@
+"""What a Muon param group's settings mean: matrix shapes and layouts, the effective lr, the Newton-Schulz dtype
+and path, and how a parameter is named in messages.
+
+Plain functions of a param group dict (``optimizer.param_groups[i]``), so they read ``torch.optim.Muon``'s
+groups too (its groups lack ``lightning_muon.Muon``'s extra keys: the defaults apply). The optimizer, its
+update maths, `lightning_muon.MuonMonitor` and the Lightning config all read groups through this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ADJUST_LR_FNS",
+    "DEFAULT_BATCH_BYTES",
+    "DEFAULT_BATCH_BYTES_ACCELERATOR",
+    "LAYOUTS",
+    "adjust_lr",
+    "batch_cap",
+    "describe_param",
+    "dtype_name",
+    "fan_shape",
+    "group_effective_lr",
+    "group_effective_lrs",
+    "layouts_of",
+    "lr_value",
+    "matrices_in",
+    "matrix_shape",
+    "ns_dtype",
+    "ns_settings",
+    "on_exact_path",
+    "param_name",
+    "uses_gram",
+]
+
+#: Accepted values of ``adjust_lr_fn`` (``None`` means ``"original"``).
+ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral", "none")
+
+#: How a parameter's tensor holds its matrices (a param group's ``matrix_layouts``, one per parameter):
+#: ``"flatten"`` (the default: a 2D weight, or a conv kernel seen as ``shape[0] x prod(shape[1:])``),
+#: ``"stack"`` (a batch of matrices over the leading dims, e.g. MoE experts ``E x out x in``: each
+#: orthogonalised on its own) and ``"in_out"`` (a 2D weight stored ``in x out``, as transformers' ``Conv1D``:
+#: Newton-Schulz does not care, the lr's shape scaling does).
+LAYOUTS = ("flatten", "stack", "in_out")
+
+#: The default most bytes of one batched Newton-Schulz call (``ns_batch_bytes=None``) by device type: CPU
+#: matmuls reach their peak on one matrix of about 1 MiB in bf16, while small matrices gain from batching
+#: (``benchmarks/optimizer_step.py``); accelerators gain at every size (`DEFAULT_BATCH_BYTES_ACCELERATOR`).
+DEFAULT_BATCH_BYTES = {"cpu": 1 << 20}
+DEFAULT_BATCH_BYTES_ACCELERATOR = 1 << 28
+
+
+def matrix_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:
+    """The ``(rows, cols)`` of each matrix Newton-Schulz works on: ``(shape[0], prod(shape[1:]))``, or the
+    last two dims for ``"stack"``."""
+    if layout == "stack":
+        return shape[-2], shape[-1]
+    return shape[0], math.prod(shape[1:])
+
+
+def fan_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:
+    """``(fan_out, fan_in)`` of each matrix, what the lr's shape scaling reads (`adjust_lr`)."""
+    rows, cols = matrix_shape(shape, layout)
+    return (cols, rows) if layout == "in_out" else (rows, cols)
+
+
+def matrices_in(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> int:
+    """How many matrices a parameter of this shape holds (more than one only for ``"stack"``)."""
+    return math.prod(shape[:-2]) if layout == "stack" else 1
+
+
+def layouts_of(group: dict[str, Any]) -> list[str]:
+    """The layout of each parameter of a param group (``"flatten"`` where the group names none)."""
+    return group.get("matrix_layouts") or ["flatten"] * len(group["params"])
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size | tuple[int, ...]) -> float:
+    """The learning rate one parameter really gets, from its flattened shape ``A x B``.
+
+    - ``None`` or ``"original"`` (Keller Jordan): ``lr * sqrt(max(1, A / B))``
+    - ``"match_rms_adamw"`` (Moonshot): ``lr * 0.2 * sqrt(max(A, B))``
+    - ``"spectral"``: ``lr * sqrt(A / B)``
+    - ``"none"``: ``lr``
+
+    ``A, B = shape[0], prod(shape[1:])``; for a 2D parameter that is its shape,
+    as in ``torch.optim.Muon``. Weight decay always uses the unadjusted ``lr``.
+    """
+    A, B = matrix_shape(shape)
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, A / B))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(A, B))
+    elif adjust_lr_fn == "spectral":
+        ratio = math.sqrt(A / B)
+    elif adjust_lr_fn == "none":
+        ratio = 1.0
+    else:
+        raise ValueError(f"adjust_lr_fn must be None or one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+    return lr * ratio
+
+
+def lr_value(lr: float | Tensor) -> float:
+    """A learning rate as a Python float (``lr`` may be a 1-element tensor)."""
+    return lr.item() if isinstance(lr, Tensor) else float(lr)
+
+
+def group_effective_lr(group: dict[str, Any], shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> float:
+    """`adjust_lr` with a param group's ``lr`` and ``adjust_lr_fn`` (``torch.optim.Muon``'s groups too), for a
+    parameter of this shape and layout."""
+    return adjust_lr(lr_value(group["lr"]), group.get("adjust_lr_fn"), fan_shape(shape, layout))
+
+
+def group_effective_lrs(group: dict[str, Any]) -> list[float]:
+    """The effective lr of every parameter of a param group, in order."""
+    layouts = layouts_of(group)
+    return [group_effective_lr(group, p.shape, layout) for p, layout in zip(group["params"], layouts, strict=True)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how param groups keep ``ns_dtype`` (distributed checkpoints
+    cannot save a ``torch.dtype``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
+def _dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."))
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def ns_dtype(group: dict[str, Any]) -> torch.dtype:
+    """A group's Newton-Schulz dtype: stored by name (a torch.dtype from older state dicts works too);
+    bf16 for groups without one (``torch.optim.Muon``'s)."""
+    dtype = group.get("ns_dtype", "bfloat16")
+    return dtype if isinstance(dtype, torch.dtype) else _dtype_from_name(dtype)
+
+
+def ns_settings(group: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of `lightning_muon.optim.newton_schulz.zeropower_via_newtonschulz` (and of its
+    Gram variant) for a param group."""
+    return {
+        "ns_coefficients": group["ns_coefficients"],
+        "ns_steps": group["ns_steps"],
+        "eps": group["eps"],
+        "dtype": ns_dtype(group),
+    }
+
+
+def on_exact_path(group: dict[str, Any]) -> bool:
+    """Whether a group steps exactly as ``torch.optim.Muon`` (``ns_batch_bytes == 0``: one matrix at a time,
+    torch's kernels, no Gram iteration, no merged calls)."""
+    return group.get("ns_batch_bytes") == 0
+
+
+def uses_gram(group: dict[str, Any], shape: tuple[int, int]) -> bool:
+    """Whether a group orthogonalises ``m x n`` matrices by Gram Newton-Schulz: its long side is at least
+    ``ns_gram_aspect`` times its short side (``None``: never), and the group is not `on_exact_path`."""
+    aspect = group.get("ns_gram_aspect")
+    if aspect is None or on_exact_path(group):
+        return False
+    m, n = shape
+    return max(m, n) >= aspect * min(m, n)
+
+
+def batch_cap(group: dict[str, Any], device: torch.device) -> int:
+    """The most bytes of one batched Newton-Schulz call for a group's matrices on ``device``."""
+    cap = group["ns_batch_bytes"]
+    return DEFAULT_BATCH_BYTES.get(device.type, DEFAULT_BATCH_BYTES_ACCELERATOR) if cap is None else cap
+
+
+def describe_param(group: dict[str, Any], i: int, index: int) -> str:
+    """``parameter `name` (index 3)`` for messages (``i``: the position in the group, ``index``: in the
+    optimizer); the index alone when the group has no names."""
+    names = group.get("param_names")
+    return f"parameter `{names[i]}` (index {index})" if names else f"parameter {index}"
+
+
+def param_name(group: dict[str, Any], i: int, index: int) -> str:
+    """The name diagnostics give a parameter: its ``param_names`` entry, else ``<group name>.<index>``."""
+    names = group.get("param_names")
+    return names[i] if names else f"{group.get('name', 'params')}.{index}"
