@@ -269,15 +269,25 @@ def test_scheduler_steps_once_per_update_on_both_optimizers_with_total_from_the_
     assert fit.lr_scheduler_configs[0].scheduler.factor(8) == pytest.approx(0.0)
 
 
-def test_the_mixin_adds_two_prefixed_attributes_to_the_module_and_no_more(tmp_path):
-    """The user's module keeps its own namespace: the mixin's state is `_muon_config` and `_muon_loop`
-    (besides what Lightning's own save_hyperparameters writes, which the mixin calls)."""
+def test_the_mixin_adds_three_prefixed_attributes_to_the_module_and_no_more(tmp_path):
+    """The user's module keeps its own namespace: the mixin's state is `_muon_config`, `_muon_loop` and the fit's
+    `_muon_fit`, set only during a fit (besides what Lightning's own save_hyperparameters writes, which the mixin
+    calls)."""
     plain, model = DeepBoring(), MuonBoring()
     plain.save_hyperparameters({"lr": 0.1})
-    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop"}
-    make_trainer(tmp_path, max_steps=3).fit(model)
+    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_fit"}
+    assert model._muon_fit is None
+
+    class Spy(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            fits.append(pl_module._muon_fit)
+
+    fits: list = []
+    make_trainer(tmp_path, max_steps=3, callbacks=[Spy()]).fit(model)
     make_trainer(tmp_path / "plain", max_steps=3).fit(plain)
-    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop"}
+    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_fit"}
+    assert len(fits) == 3 and fits[0] is not None and all(f is fits[0] for f in fits)  # one state for the fit
+    assert model._muon_fit is None  # dropped at teardown
 
 
 def test_hyperparameters_are_plain_data(tmp_path):

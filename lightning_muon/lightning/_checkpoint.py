@@ -1,4 +1,5 @@
-"""The routing recorded in checkpoints, and the check that a resumed model still matches it.
+"""Checkpoints of a `MuonMixin` fit: the routing they record and the check that a resumed model still matches
+it, errors that say what is wrong with an unreadable file, and the FSDP2-to-one-file conversion.
 
 Optimizer states are matched to parameters by position, so resuming with a
 different routing (other patterns, another Muon class, a changed model) would
@@ -10,14 +11,19 @@ listing every difference.
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.routing import ADAMW, MUON, Routing
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
 
 #: The checkpoint entry lightning_muon writes.
 CHECKPOINT_KEY = "lightning_muon"
@@ -65,6 +71,51 @@ def refuse_foreign_optimizer_states(checkpoint: dict[str, Any]) -> None:
         "    model.load_state_dict(torch.load(path, weights_only=True)['state_dict'])\n"
         "    trainer.fit(model)"
     )
+
+
+def name_unreadable_checkpoints(strategy: Strategy) -> None:
+    """Make the strategy's checkpoint loading say what is wrong with the file and what to do, instead of torch's
+    bare errors: an empty or truncated file (a run stopped while saving it), an FSDP2 checkpoint directory on a
+    strategy that reads one file, a one-file checkpoint under FSDP2 (Lightning maps each optimizer's states onto
+    the model's parameters in order, which does not hold for Muon + AdamW). The fit's ``ckpt_path`` is loaded by
+    ``strategy.load_checkpoint`` before any module hook runs, hence the wrapper."""
+    load = strategy.load_checkpoint
+    if getattr(load, "_muon_names_files", False):
+        return
+    name = type(strategy).__name__
+
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        try:
+            return load(checkpoint_path, *args, **kwargs)
+        except IsADirectoryError as error:
+            raise RuntimeError(
+                f"{checkpoint_path} is a distributed checkpoint (a directory torch.distributed.checkpoint wrote "
+                f"under FSDP2); {name} reads a single file. Convert it into one: `lightning-muon "
+                f"convert-checkpoint {checkpoint_path} last.ckpt`, then resume from last.ckpt; or resume it with "
+                "the strategy that saved it (ModelParallelStrategy with fully_shard in configure_model)."
+            ) from error
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as error:
+            if not os.path.isfile(checkpoint_path):
+                raise
+            if not zipfile.is_zipfile(checkpoint_path):
+                size = os.path.getsize(checkpoint_path)
+                raise RuntimeError(
+                    f"{checkpoint_path} is not a complete checkpoint ({size:,} bytes; {type(error).__name__}: "
+                    f"{error}). It is empty or truncated (a run stopped while saving it?): resume from another "
+                    "checkpoint, or fit without ckpt_path."
+                ) from error
+            if "Missing optimizer state for parameter" in str(error):
+                raise RuntimeError(
+                    f"{checkpoint_path} holds one process's (or DDP's) optimizer states, by position; {name} "
+                    "maps each optimizer's states onto the model's parameters in order, which does not hold for "
+                    "Muon + AdamW. Resume it with one process or DDP, or start the FSDP2 fit from its weights "
+                    "with fresh optimizers (load its state_dict into the model before fully_shard, fit without "
+                    "ckpt_path)."
+                ) from error
+            raise
+
+    load_checkpoint._muon_names_files = True  # type: ignore[attr-defined]
+    strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
 
 
 def consolidate(directory: str | os.PathLike, out: str | os.PathLike) -> Path:

@@ -1,20 +1,23 @@
-"""What `MuonMixin` refuses or warns about: a subclass that bypasses it, and fits manual optimization breaks."""
+"""What `MuonMixin` refuses, warns about or tells once: optimizing by hand, fits that manual optimization
+breaks, parent hooks it will never call, and what the parent's ``configure_optimizers`` would have built.
+
+The functions that look at the model's classes take ``own_classes``: the model's classes, most derived first,
+without the mixin and Lightning's own (what `MuonMixin` passes).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import LearningRateFinder, StochasticWeightAveraging
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.optim import Optimizer
 
 from lightning_muon.lightning import _compat
-from lightning_muon.lightning._replaced import replaced_message
-
-if TYPE_CHECKING:
-    from lightning_muon.lightning.mixin import MuonMixin
 
 #: Parent hooks that manual optimization never calls (``lr_scheduler_step`` is: the mixin steps through it).
 UNCALLED_HOOKS = ("optimizer_step", "configure_gradient_clipping", "optimizer_zero_grad")
@@ -56,31 +59,7 @@ def check_callbacks(module: LightningModule, muon_enabled: bool) -> None:
             )
 
 
-def check_bases(cls: type, mixin: type[MuonMixin]) -> None:
-    """At class definition: the mixin must come before every base that defines ``training_step`` or
-    ``configure_optimizers``, and the class itself must not define ``configure_optimizers``."""
-    mro = cls.__mro__
-    for klass in mro[1 : mro.index(mixin)]:
-        if issubclass(klass, mixin):
-            continue
-        overrides = [hook for hook in ("training_step", "configure_optimizers") if hook in vars(klass)]
-        if overrides:
-            bases = [b for b in cls.__bases__ if not issubclass(b, mixin) or b is mixin]
-            fixed = ", ".join([mixin.__name__] + [b.__name__ for b in bases if b is not mixin])
-            raise TypeError(
-                f"{mixin.__name__} must come first in the bases of {cls.__name__}: {klass.__name__} defines "
-                f"{' and '.join(overrides)}, which would replace the mixin's. Write:\n"
-                f"    class {cls.__name__}({fixed}):"
-            )
-    if "configure_optimizers" in vars(cls):
-        raise TypeError(
-            f"{cls.__name__} defines configure_optimizers, which replaces {mixin.__name__}'s pair of optimizers. "
-            "Remove it and configure the optimizers with the mixin's arguments "
-            "(muon=..., adamw=..., lr_scheduler=...)."
-        )
-
-
-def check_fit(module: LightningModule, mixin: type[MuonMixin]) -> None:
+def check_fit(module: LightningModule, own_classes: Sequence[type]) -> None:
     """At fit start: refuse FSDP1 and a replaced ``configure_optimizers``; warn about parent hooks that
     manual optimization will never call."""
     if isinstance(module.trainer.strategy, FSDPStrategy):
@@ -96,7 +75,7 @@ def check_fit(module: LightningModule, mixin: type[MuonMixin]) -> None:
             "--model.adamw and --model.lr_scheduler instead."
         )
     for hook in UNCALLED_HOOKS:
-        owner = parent_defining(module, mixin, hook)
+        owner = parent_defining(own_classes, hook)
         if owner is not None:
             rank_zero_warn(
                 f"{owner.__name__}.{hook} will never be called: MuonMixin runs the optimizers itself under "
@@ -105,18 +84,57 @@ def check_fit(module: LightningModule, mixin: type[MuonMixin]) -> None:
             )
 
 
-def parent_defining(module: LightningModule, mixin: type[MuonMixin], hook: str) -> type | None:
-    """The first class of the model's own (not the mixin's, not Lightning's) that defines ``hook``."""
-    return next(
-        (k for k in type(module).__mro__ if hook in vars(k) and k is not mixin and k not in LightningModule.__mro__),
-        None,
-    )
+def parent_defining(own_classes: Sequence[type], hook: str) -> type | None:
+    """The first of the model's own classes that defines ``hook``."""
+    return next((k for k in own_classes if hook in vars(k)), None)
 
 
-def tell_replaced(module: LightningModule, mixin: type[MuonMixin]) -> None:
-    """Say, once, what the parent's ``configure_optimizers`` would have built and what the mixin trains with."""
-    owner = parent_defining(module, mixin, "configure_optimizers")
+def tell_replaced(module: LightningModule, own_classes: Sequence[type]) -> None:
+    """Say what the parent's ``configure_optimizers`` would have built and what the mixin trains with: INFO when
+    only the optimizer choice differs, a warning when schedulers or per-group settings of theirs are now
+    ignored."""
+    owner = parent_defining(own_classes, "configure_optimizers")
     if owner is None:
         return
     message, is_warning = replaced_message(module, owner, list(module.trainer.optimizers))
     (rank_zero_warn if is_warning else rank_zero_info)(message)
+
+
+def _describe(optimizer: Optimizer) -> str:
+    lrs = sorted({float(g["lr"]) for g in optimizer.param_groups})
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    lr = f"lr={lrs[0]:g}" if len(lrs) == 1 else f"lrs={', '.join(f'{x:g}' for x in lrs)}"
+    return f"{type(optimizer).__name__}({lr}) on {count} tensor{'s' * (count != 1)}"
+
+
+def _per_group_settings(optimizer: Optimizer) -> bool:
+    """Whether the param groups differ in any setting (per-group weight decay, lr, ...)."""
+    settings = [{k: repr(v) for k, v in g.items() if k not in ("params", "param_names", "name")}
+                for g in optimizer.param_groups]
+    return any(s != settings[0] for s in settings)
+
+
+def replaced_message(module: LightningModule, owner: type, used: list[Any]) -> tuple[str, bool]:
+    """The message, and whether it is a warning: ``owner.configure_optimizers`` (the parent's) against the
+    optimizers ``used`` (``trainer.optimizers``)."""
+    head = f"{owner.__name__}.configure_optimizers is replaced by MuonMixin's"
+    ours = " and ".join(_describe(getattr(o, "optimizer", o)) for o in used)
+    try:
+        theirs, schedulers = _compat.optimizers_and_schedulers(owner.configure_optimizers(module))  # type: ignore[attr-defined]
+    except Exception as error:  # describing is best-effort: the parent's method may need what the mixin skips
+        return f"{head}: it trains with {ours} (the parent's could not be described: {error!r}).", False
+    theirs = [getattr(o, "optimizer", o) for o in theirs]
+    lines = [f"{head}: it would have built {' and '.join(_describe(o) for o in theirs) or 'no optimizer'}; "
+             f"MuonMixin trains with {ours}."]
+    ignored = []
+    if schedulers:
+        ignored.append(
+            f"its scheduler{'s' * (len(schedulers) > 1)} ({', '.join(type(s).__name__ for s in schedulers)}) "
+            "will not run: pass lr_scheduler=... to the mixin"
+        )
+    if any(_per_group_settings(o) for o in theirs):
+        ignored.append("its per-group settings are not used: the mixin routes parameters itself "
+                       "(muon_params=/adamw_params=, and the muon/adamw factories' settings)")
+    if ignored:
+        lines.append("Ignored: " + "; ".join(ignored) + ".")
+    return " ".join(lines), bool(ignored)

@@ -7,9 +7,13 @@ micro-batch, one update over every optimizer: unscale (16-mixed),
 check that skips every optimizer, the steps, one scaler update, the scheduler
 steps, zero grads. ``trainer.global_step`` advances once per update.
 
-The loop also guards what it owns: a backward that is not its own (from
-``training_step``, a hook or a callback) and an optimizer step inside the
-parent's ``training_step`` are refused before they run, so before any weight moves.
+The loop also steps the schedulers where Lightning's automatic loop would, and
+guards what it owns: a backward that is not its own (from ``training_step``, a
+hook or a callback) and an optimizer step inside the parent's ``training_step``
+are refused before they run, so before any weight moves.
+
+Its settings (`UpdateSettings`) are an input of each batch, from the fit's
+state: the loop keeps only the counters that span batches.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,15 +33,56 @@ from torch.optim import Optimizer
 
 from lightning_muon.lightning import _compat, _health
 from lightning_muon.lightning._checks import by_hand
-from lightning_muon.lightning._config import MuonConfig
-from lightning_muon.lightning._fit_settings import FitSettings
-from lightning_muon.lightning._schedulers import step_schedulers
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
 #: The logged count of skipped updates (the monitor logs the same key in its own rows).
 SKIPPED_STEPS_KEY = "muon/skipped_steps"
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How one fit's updates clip and when they give up (the mixin's arguments and the Trainer's flags together)."""
+
+    gradient_clip_val: float | None = None
+    #: ``"norm"``: the global norm over every optimizer's gradients; ``"value"``: each element, in all of them.
+    gradient_clip_algorithm: str = "norm"
+    #: Updates with non-finite gradients in a row after which the fit stops (16-mixed overflows do not count).
+    max_consecutive_skips: int = 5
+
+
+def step_schedulers(module: LightningModule, *, interval: str, plateau: bool, index: int) -> None:
+    """Step every scheduler of ``interval`` (``"step"`` or ``"epoch"``) whose ``frequency`` divides ``index``
+    (1-based), either the monitor-driven ones (``plateau``) or the others, through ``lr_scheduler_step``.
+
+    Lightning steps nothing under manual optimization; the loop calls this where the automatic loop steps:
+    ``"step"`` schedulers after each update (``frequency`` counts batches of the epoch, as Lightning's
+    ``batch_idx + 1``), ``"epoch"`` ones after the epoch's last batch, and monitor-driven ones once the metrics
+    they read are logged (after a step's validation, after the epoch's ``on_train_epoch_end``).
+    """
+    trainer = module.trainer
+    for config in trainer.lr_scheduler_configs:
+        if config.reduce_on_plateau != plateau or config.interval != interval or index % config.frequency:
+            continue
+        metric = None
+        if config.reduce_on_plateau:
+            assert config.monitor is not None
+            metric = trainer.callback_metrics.get(config.monitor)
+            if metric is None:
+                if config.strict:
+                    raise MisconfigurationException(
+                        f"{type(config.scheduler).__name__} monitors {config.monitor!r}, which was not logged. "
+                        f"Logged metrics: {sorted(trainer.callback_metrics)}. Log it with self.log("
+                        f"{config.monitor!r}, ...) or change the scheduler's monitor."
+                    )
+                rank_zero_warn(
+                    f"{type(config.scheduler).__name__} monitors {config.monitor!r}, which was not logged "
+                    "(strict=False): its learning rate is not updated this time.",
+                    category=RuntimeWarning,
+                )
+                continue
+        module.lr_scheduler_step(config.scheduler, metric)
 
 
 @functools.cache
@@ -86,8 +132,7 @@ def _no_gradient_sync(module: LightningModule) -> Iterator[None]:
 class UpdateLoop:
     """The per-batch sequence of `MuonMixin`, with its counters (saved in checkpoints)."""
 
-    def __init__(self, config: MuonConfig) -> None:
-        self.config = config
+    def __init__(self) -> None:
         #: Updates skipped because of non-finite gradients (16-mixed overflows included).
         self.skipped_updates = 0
         #: Skipped updates in a row that count toward ``max_consecutive_skips``.
@@ -101,15 +146,8 @@ class UpdateLoop:
         #: Whether the loop's own backward is running (the only backward `check_backward` lets through).
         self._own_backward = False
         self._warned_none = False
-        #: This fit's accumulation and clipping (the mixin's arguments and the Trainer's flags together).
-        self.settings = FitSettings(config.accumulate_grad_batches, None, config.gradient_clip_val)
-        #: What the Trainer was given (put back at the end of the fit), and whether the replacement was told.
-        self.trainer_flags: _compat.TrainerFlags | None = None
-        self.told_replaced = False
         #: The 1-based batch index of the last update, until its monitor-driven "step" schedulers step.
         self._plateau_pending: int | None = None
-        #: The monitor-driven schedulers of this fit: id -> (metric, strict) (manual optimization drops them).
-        self.monitors: dict[int, tuple[str, bool]] = {}
 
     @property
     def in_training_step(self) -> bool:
@@ -156,7 +194,9 @@ class UpdateLoop:
 
     # -------------------------------------------------------------- per batch
 
-    def training_step(self, module: LightningModule, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def training_step(
+        self, module: LightningModule, step: Callable[..., Any], args: tuple, kwargs: dict, settings: UpdateSettings
+    ) -> Any:
         """Run the parent's ``training_step``, then backward and (on the last micro-batch) the update."""
         if self._in_training_step or not module.trainer.training:
             # A subclass's training_step calling super() (only the outer one updates), or a
@@ -180,16 +220,26 @@ class UpdateLoop:
         self.micro_batches += 1
         if update_now:
             if self._losses:
-                self._update(module)
+                self._update(module, settings)
             self.micro_batches = 0
             self._losses = []
         if _compat.ends_epoch(module.trainer):
             step_schedulers(module, interval="epoch", plateau=False, index=module.trainer.current_epoch + 1)
         return output
 
-    def step_pending_plateau(self, module: LightningModule) -> None:
-        """Step the monitor-driven ``"step"`` schedulers of the last update, once its metrics (and any
-        validation after it) are logged: from the next batch's start, or the epoch's end."""
+    def on_train_batch_start(self, module: LightningModule) -> None:
+        """The last update's monitor-driven ``"step"`` schedulers, now that its metrics (and any validation
+        after it) are logged."""
+        self._step_pending_plateau(module)
+
+    def on_train_epoch_end(self, module: LightningModule) -> None:
+        """After the module's ``on_train_epoch_end``: the last update's and the epoch's monitor-driven
+        schedulers."""
+        self._step_pending_plateau(module)
+        if _compat.ends_epoch(module.trainer):
+            step_schedulers(module, interval="epoch", plateau=True, index=module.trainer.current_epoch + 1)
+
+    def _step_pending_plateau(self, module: LightningModule) -> None:
         if self._plateau_pending is not None:
             index, self._plateau_pending = self._plateau_pending, None
             step_schedulers(module, interval="step", plateau=True, index=index)
@@ -225,7 +275,7 @@ class UpdateLoop:
 
     # ------------------------------------------------------------- the update
 
-    def _update(self, module: LightningModule) -> None:
+    def _update(self, module: LightningModule, settings: UpdateSettings) -> None:
         """One update over every optimizer: unscale, hooks, clip, check, step, scaler update, schedulers, zero."""
         trainer = module.trainer
         lightning_optimizers = module.optimizers()
@@ -243,13 +293,14 @@ class UpdateLoop:
             norm = _gradient_norm(params)
             finite = bool(torch.isfinite(norm))  # one device sync decides the update
             if finite:
-                self._clip(params, norm)
+                _clip(params, norm, settings)
                 for optimizer in optimizers:  # already unscaled and checked: the scaler has nothing to add
                     optimizer.step()
                 _health.check_weights_finite(optimizers, module)
                 self.consecutive_skips = 0
             else:
-                self._skip(module, optimizers, counts_toward_limit=scaler is None)
+                limit = settings.max_consecutive_skips if scaler is None else None  # the scaler's own business
+                self._skip(module, optimizers, limit)
             if scaler is not None:
                 scaler.update()
                 self._scaler_watch.after_update(not finite, scaler.get_scale(), self._losses)
@@ -259,18 +310,11 @@ class UpdateLoop:
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
 
-    def _clip(self, params: list[torch.Tensor], norm: torch.Tensor) -> None:
-        """The fit's clipping over every optimizer's gradients: by value, or by the global norm already taken."""
-        clip = self.settings.gradient_clip_val
-        if clip is not None and self.settings.gradient_clip_algorithm == "value":
-            torch.nn.utils.clip_grad_value_(params, clip)
-        elif clip is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
-
-    def _skip(self, module: LightningModule, optimizers: list[Optimizer], counts_toward_limit: bool) -> None:
+    def _skip(self, module: LightningModule, optimizers: list[Optimizer], limit: int | None) -> None:
+        """Count a skipped update; stop the fit after ``limit`` in a row (``None``: no limit)."""
         self.skipped_updates += 1
         module.log(SKIPPED_STEPS_KEY, float(self.skipped_updates), on_step=True, on_epoch=False)
-        if not counts_toward_limit:
+        if limit is None:
             return
         self.consecutive_skips += 1
         names = {id(p): n for n, p in module.named_parameters()}
@@ -282,12 +326,21 @@ class UpdateLoop:
             if p.grad is not None and not bool(torch.isfinite(p.grad).all())
         ]
         shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
-        if self.consecutive_skips >= self.config.max_consecutive_skips:
+        if self.consecutive_skips >= limit:
             raise RuntimeError(
                 f"{self.consecutive_skips} updates in a row had non-finite gradients (in {shown}); no weight "
                 "was changed by them. Lower the learning rate, add gradient_clip_val, or check the data and loss."
             )
         rank_zero_warn(f"MuonMixin skipped an update: non-finite gradients in {shown}. No weight was changed.")
+
+
+def _clip(params: list[torch.Tensor], norm: torch.Tensor, settings: UpdateSettings) -> None:
+    """The fit's clipping over every optimizer's gradients: by value, or by the global norm already taken."""
+    clip = settings.gradient_clip_val
+    if clip is not None and settings.gradient_clip_algorithm == "value":
+        torch.nn.utils.clip_grad_value_(params, clip)
+    elif clip is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
 
 
 def _gradient_norm(params: list[torch.Tensor]) -> torch.Tensor:

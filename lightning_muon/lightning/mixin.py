@@ -15,6 +15,12 @@ gradient-norm clip over both optimizers, a non-finite check that skips both
 optimizers, both steps, one scaler update, the scheduler steps (by their
 interval and frequency), zero grads.
 ``trainer.global_step`` advances once per update.
+
+The mixin's state is three objects: its config (`MuonConfig`, the constructor's
+arguments), its update loop (`UpdateLoop`, the per-batch sequence and the counters
+that span fits) and, during a fit, the fit's state (`FitState`, created by
+``configure_callbacks`` and dropped by ``teardown``). Each hook hands over to the
+method of the same name.
 """
 
 from __future__ import annotations
@@ -25,12 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_muon.lightning import _checkpoint, _checks, _compat, _lifecycle
+from lightning_muon.lightning import _checkpoint, _checks, _compat
 from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig, plain_data
-from lightning_muon.lightning._update_loop import UpdateLoop
+from lightning_muon.lightning._fit import FitState
+from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings
 from lightning_muon.optim.muon import Muon
 from lightning_muon.routing import Routing, route_parameters
 
@@ -50,7 +57,7 @@ def _wrap_training_step(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def training_step(self: MuonMixin, *args: Any, **kwargs: Any) -> Any:
-        return self._muon_loop.training_step(self, functools.partial(fn, self), args, kwargs)
+        return self._muon_loop.training_step(self, functools.partial(fn, self), args, kwargs, self._muon_settings())
 
     training_step._muon_wrapped = True  # type: ignore[attr-defined]
     return training_step
@@ -92,7 +99,7 @@ class MuonMixin(_LightningModuleBase):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _checks.check_bases(cls, MuonMixin)
+        _check_bases(cls)
         step = vars(cls).get("training_step")
         if step is not None and not getattr(step, "_muon_wrapped", False):
             # The subclass's own training_step becomes the one that updates (the mixin's would be bypassed).
@@ -130,7 +137,8 @@ class MuonMixin(_LightningModuleBase):
             raise _checks.by_hand(self, f"{type(self).__name__}'s parent sets automatic_optimization = False")
         self.automatic_optimization = False
         self._muon_config = config
-        self._muon_loop = UpdateLoop(config)
+        self._muon_loop = UpdateLoop()
+        self._muon_fit: FitState | None = None
         # Hyperparameters: what the parent saved (if it did), plus this constructor's arguments as plain
         # data, including those forwarded to the parent (or LightningCLI's config, when it built the model).
         saved_by_parent = dict(self.hparams)
@@ -181,44 +189,76 @@ class MuonMixin(_LightningModuleBase):
         """``[muon, adamw]`` over the routed param groups (only AdamW when ``muon=None``), with their schedulers.
 
         A step of either inside the parent's ``training_step`` is refused before it moves a weight."""
-        built = _lifecycle.build_optimizers(self)
-        self._muon_loop.guard_steps(self, built[0] if isinstance(built, tuple) else built)
-        return built
+        routing, config = self.muon_routing(), self._muon_config
+        if not routing.routes:
+            raise MisconfigurationException(
+                f"{type(self).__name__} has no trainable parameter: every parameter has requires_grad=False (or "
+                "the layers are built after the optimizers). Unfreeze what should train "
+                "(`layer.requires_grad_(True)`), or build the layers in __init__ or configure_model."
+            )
+        rank_zero_info("\n" + routing.render())
+        if self.muon_enabled and not routing.muon_groups:
+            rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")
+        optimizers = [config.build_adamw(routing.adamw_groups)]
+        if routing.muon_groups:
+            optimizers.insert(0, config.build("muon", routing.muon_groups))
+        self._muon_loop.guard_steps(self, optimizers)
+        if config.lr_scheduler_factory is None:
+            return optimizers
+        schedulers = config.build_schedulers(optimizers, lambda: self.trainer.estimated_stepping_batches)
+        if self._muon_fit is not None:
+            self._muon_fit.configure_optimizers(schedulers)
+        return optimizers, schedulers
 
-    # -------------------------------------------------------------- fit checks
+    # ------------------------------------------------------------------ a fit
 
     def configure_callbacks(self) -> Any:
         callbacks = super().configure_callbacks()
         if self.trainer.state.fn == "fit":  # Lightning's manual-optimization checks come next
-            _lifecycle.begin_fit(self)
+            self._muon_fit = FitState.configure_callbacks(self, self._muon_config, self.muon_enabled)
         return callbacks
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if stage == "fit":
-            _lifecycle.setup_fit(self)
-
-    def teardown(self, stage: str) -> None:
-        if stage == "fit":
-            _lifecycle.end_fit(self)
-        super().teardown(stage)
+        if stage == "fit" and self._muon_fit is not None:
+            self._muon_fit.setup(self.trainer)
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        _checks.check_fit(self, MuonMixin)
-        _lifecycle.start_fit(self, MuonMixin)
+        own_classes = _own_classes(type(self))
+        _checks.check_fit(self, own_classes)
+        if self._muon_fit is not None:
+            self._muon_fit.on_fit_start(self, own_classes)
 
     def on_train_epoch_start(self) -> None:
         super().on_train_epoch_start()
-        _lifecycle.start_epoch(self)
+        if self._muon_fit is not None:
+            self._muon_fit.on_train_epoch_start(self.trainer)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
-        self._muon_loop.step_pending_plateau(self)
+        self._muon_loop.on_train_batch_start(self)
         return super().on_train_batch_start(batch, batch_idx)
 
     def on_train_epoch_end(self) -> None:
         super().on_train_epoch_end()
-        _lifecycle.end_epoch(self)
+        self._muon_loop.on_train_epoch_end(self)
+
+    def teardown(self, stage: str) -> None:
+        if stage == "fit" and self._muon_fit is not None:
+            lr = self._muon_fit.teardown(self.trainer)  # gives the Trainer its flags back
+            self._muon_fit = None
+            if lr is not None and not self.muon_enabled:
+                self._muon_config = self._muon_config.with_adamw_lr(lr)
+                self.hparams["adamw"] = self._muon_config.adamw
+                rank_zero_info(f"MuonMixin: lr_find's suggestion, lr={lr:g}, is AdamW's lr from the next fit on.")
+        super().teardown(stage)
+
+    def _muon_settings(self) -> UpdateSettings:
+        """What each update uses: the fit's (its Trainer flags included), else the mixin's own arguments."""
+        if self._muon_fit is not None:
+            return self._muon_fit.settings
+        config = self._muon_config
+        return UpdateSettings(config.gradient_clip_val, "norm", config.max_consecutive_skips)
 
     # ------------------------------------------ refusals of optimizing by hand
 
@@ -250,7 +290,7 @@ class MuonMixin(_LightningModuleBase):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the parent's ``training_step``, then backward and (on the last micro-batch) the update."""
-        return self._muon_loop.training_step(self, super().training_step, args, kwargs)
+        return self._muon_loop.training_step(self, super().training_step, args, kwargs, self._muon_settings())
 
     # ------------------------------------------------------------- checkpoints
 
@@ -269,3 +309,31 @@ class MuonMixin(_LightningModuleBase):
             return
         _checkpoint.check_routing(saved, _checkpoint.optimizer_names(self.muon_routing()))
         self._muon_loop.load_state_dict(saved)
+
+
+def _own_classes(cls: type) -> list[type]:
+    """The model's own classes, most derived first: its MRO without `MuonMixin` and Lightning's classes."""
+    return [k for k in cls.__mro__ if k is not MuonMixin and k not in LightningModule.__mro__]
+
+
+def _check_bases(cls: type) -> None:
+    """At class definition: the mixin must come before every base that defines ``training_step`` or
+    ``configure_optimizers``, and the class itself must not define ``configure_optimizers``."""
+    mro = cls.__mro__
+    for klass in mro[1 : mro.index(MuonMixin)]:
+        if issubclass(klass, MuonMixin):
+            continue
+        overrides = [hook for hook in ("training_step", "configure_optimizers") if hook in vars(klass)]
+        if overrides:
+            bases = [b.__name__ for b in cls.__bases__ if not issubclass(b, MuonMixin)]
+            raise TypeError(
+                f"MuonMixin must come first in the bases of {cls.__name__}: {klass.__name__} defines "
+                f"{' and '.join(overrides)}, which would replace the mixin's. Write:\n"
+                f"    class {cls.__name__}({', '.join(['MuonMixin', *bases])}):"
+            )
+    if "configure_optimizers" in vars(cls):
+        raise TypeError(
+            f"{cls.__name__} defines configure_optimizers, which replaces MuonMixin's pair of optimizers. "
+            "Remove it and configure the optimizers with the mixin's arguments "
+            "(muon=..., adamw=..., lr_scheduler=...)."
+        )
