@@ -311,7 +311,7 @@ def test_routing_order_differences_are_refused():
         }
     }
     with pytest.raises(MisconfigurationException, match="Muon: the same parameters in a different order"):
-        model.on_load_checkpoint(checkpoint)
+        _checkpoint.check_routing(checkpoint["lightning_muon"], names)
 
 
 def test_non_plain_constructor_arguments_are_left_out_of_hparams_with_a_warning():

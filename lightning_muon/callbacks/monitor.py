@@ -122,7 +122,8 @@ class MuonMonitor(Callback):
         self._optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
         self._keys = lr_keys(self._optimizers)
         # Beside a LearningRateMonitor, which logs the same lr-* keys, only the monitor's own keys.
-        self._log_lrs = not any(isinstance(c, LearningRateMonitor) for c in _compat.trainer_callbacks(trainer))
+        lr_monitors = _compat.lightning_classes(LearningRateMonitor)
+        self._log_lrs = not any(isinstance(c, lr_monitors) for c in _compat.trainer_callbacks(trainer))
         if not self._log_lrs:
             rank_zero_info(
                 "MuonMonitor: LearningRateMonitor logs the lr-* keys, so MuonMonitor leaves them out of its rows."

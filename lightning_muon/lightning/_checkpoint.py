@@ -47,6 +47,24 @@ def routing_differences(saved: dict[str, list[str]], current: dict[str, list[str
     return differences
 
 
+def check_same_model(saved: dict[str, Any], current: dict[str, list[str]]) -> None:
+    """Refuse a resume whose model has other trainable parameters than the one that saved the checkpoint (built
+    with other arguments, or another version of its code): that is not a routing choice, and the routing
+    check would say it is."""
+    then = set(saved["routing"][MUON]) | set(saved["routing"][ADAMW])
+    now = set(current[MUON]) | set(current[ADAMW])
+    if then == now:
+        return
+    lines = [f"  {name}: in the checkpoint, not in this model" for name in sorted(then - now)]
+    lines += [f"  {name}: in this model, not in the checkpoint" for name in sorted(now - then)]
+    shown = "\n".join(lines[:20]) + (f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else "")
+    raise MisconfigurationException(
+        "This checkpoint was saved by a model with other trainable parameters than this one: it was built "
+        f"differently, which no routing choice explains. Differences:\n{shown}\nBuild the model as it was when "
+        "the checkpoint was saved (its hyperparameters are in checkpoint['hyper_parameters'])."
+    )
+
+
 def check_routing(saved: dict[str, Any], current: dict[str, list[str]]) -> None:
     """Refuse a checkpoint whose optimizer states were saved with another routing."""
     differences = routing_differences(saved["routing"], current)

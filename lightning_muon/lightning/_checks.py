@@ -45,12 +45,12 @@ def check_callbacks(module: LightningModule, muon_enabled: bool) -> None:
     if not muon_enabled:
         return
     for callback in _compat.trainer_callbacks(module.trainer):
-        if isinstance(callback, StochasticWeightAveraging):
+        if isinstance(callback, _compat.lightning_classes(StochasticWeightAveraging)):
             raise MisconfigurationException(
                 "StochasticWeightAveraging works with one optimizer and MuonMixin trains with two (Muon and "
                 "AdamW). Use muon=None (AdamW alone, the A/B baseline) with SWA, or remove the callback."
             )
-        if isinstance(callback, LearningRateFinder):
+        if isinstance(callback, _compat.lightning_classes(LearningRateFinder)):
             raise MisconfigurationException(
                 "lr_find (LearningRateFinder) sweeps the learning rate of one optimizer, and MuonMixin trains "
                 "with two (Muon and AdamW), whose learning rates are not on the same scale. Run lr_find on the "
@@ -62,7 +62,7 @@ def check_callbacks(module: LightningModule, muon_enabled: bool) -> None:
 def check_fit(module: LightningModule, own_classes: Sequence[type]) -> None:
     """At fit start: refuse FSDP1 and a replaced ``configure_optimizers``; warn about parent hooks that
     manual optimization will never call."""
-    if isinstance(module.trainer.strategy, FSDPStrategy):
+    if isinstance(module.trainer.strategy, _compat.lightning_classes(FSDPStrategy)):
         raise MisconfigurationException(
             "MuonMixin cannot run under strategy='fsdp' (FSDP1): manual optimization and its flattened "
             "parameters cannot work together. Use FSDP2: strategy=ModelParallelStrategy() with "

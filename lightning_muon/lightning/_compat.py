@@ -7,14 +7,21 @@ loggers use. Lightning has no public API for these, so this module is the only
 place that touches its internals; ``tests/test_compat.py`` checks each one
 against the installed Lightning and fails naming the wrapper to update.
 No other module of the package may use a private Lightning name.
+
+It also answers for both Lightning packages: many libraries still build on the standalone ``pytorch_lightning``,
+whose classes are copies of ``lightning.pytorch``'s, not the same classes. `lightning_classes` gives a class's
+copy in each package that is loaded, for every ``isinstance`` check the package makes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, LearningRateFinder
 from lightning.pytorch.trainer import call
@@ -27,6 +34,34 @@ if TYPE_CHECKING:
 
 #: The Lightning releases these wrappers were checked against (``tests/test_compat.py``).
 CHECKED_LIGHTNING = ("2.5", "2.6")
+#: The two packages Lightning ships as: the unified ``lightning`` one and the standalone ``pytorch_lightning``.
+PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+
+
+_T = TypeVar("_T")
+
+
+def lightning_classes(cls: type[_T]) -> tuple[type[_T], ...]:
+    """``cls`` (a ``lightning.pytorch`` class) and, when ``pytorch_lightning`` is loaded, its copy there: what
+    ``isinstance`` needs to accept either package's objects. ``pytorch_lightning`` is never imported here (a
+    module that uses it has imported it already)."""
+    return cast("tuple[type[_T], ...]", _copies(cast(type, cls), "pytorch_lightning" in sys.modules))
+
+
+@functools.cache
+def _copies(cls: type, standalone_loaded: bool) -> tuple[type, ...]:
+    if not standalone_loaded:
+        return (cls,)
+    module = importlib.import_module(cls.__module__.replace(PACKAGES[0], PACKAGES[1], 1))
+    return cls, getattr(module, cls.__qualname__)
+
+
+def is_lightning_module_base(cls: type) -> bool:
+    """Whether ``cls`` is ``LightningModule`` or one of its bases (``nn.Module``, the hyperparameter mixins, ...)
+    in either Lightning package: the classes that are not the user's own."""
+    from lightning.pytorch import LightningModule
+
+    return any(cls in module.__mro__ for module in lightning_classes(LightningModule))
 
 
 def ends_update(trainer: pl.Trainer) -> bool:
@@ -116,7 +151,9 @@ def take_trainer_flags(trainer: pl.Trainer) -> TrainerFlags:
         gradient_clip_algorithm=None if algorithm is None else str(getattr(algorithm, "value", algorithm)),
         accumulate_grad_batches=trainer.accumulate_grad_batches,
         accumulation_schedulers=[
-            (i, c) for i, c in enumerate(trainer_callbacks(trainer)) if isinstance(c, GradientAccumulationScheduler)
+            (i, c)
+            for i, c in enumerate(trainer_callbacks(trainer))
+            if isinstance(c, lightning_classes(GradientAccumulationScheduler))
         ],
     )
     trainer.gradient_clip_val = None

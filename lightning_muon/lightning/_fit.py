@@ -103,7 +103,8 @@ class FitState:
         """Give the Trainer its flags back; return ``lr_find``'s suggestion, if this fit ran one that writes
         its suggestion back (``None`` otherwise)."""
         _compat.restore_trainer_flags(trainer, self.trainer_flags)
-        finder = next((c for c in _compat.trainer_callbacks(trainer) if isinstance(c, LearningRateFinder)), None)
+        finders = _compat.lightning_classes(LearningRateFinder)
+        finder = next((c for c in _compat.trainer_callbacks(trainer) if isinstance(c, finders)), None)
         if finder is None or finder.optimal_lr is None or not _compat.lr_finder_updates_attr(finder):
             return None
         return finder.optimal_lr.suggestion()

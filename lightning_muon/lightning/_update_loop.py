@@ -119,7 +119,7 @@ def _no_gradient_sync(module: LightningModule) -> Iterator[None]:
         fsdp_module.set_requires_gradient_sync(False, recurse=False)
     strategy = module.trainer.strategy
     try:
-        if isinstance(strategy, ParallelStrategy):
+        if isinstance(strategy, _compat.lightning_classes(ParallelStrategy)):  # type: ignore[type-abstract]
             with strategy.block_backward_sync():
                 yield
         else:

@@ -139,21 +139,28 @@ class MuonMixin(_LightningModuleBase):
         self._muon_config = config
         self._muon_loop = UpdateLoop()
         self._muon_fit: FitState | None = None
-        # Hyperparameters: what the parent saved (if it did), plus this constructor's arguments as plain
-        # data, including those forwarded to the parent (or LightningCLI's config, when it built the model).
+        self._save_hyperparameters(config)
+
+    def _save_hyperparameters(self, config: MuonConfig) -> None:
+        """What the parent saved, exactly as it saved it (objects included: its checkpoints load as they would
+        without the mixin), with the mixin's own settings beside it as plain data. When the parent saved
+        nothing, this constructor's arguments, those forwarded to the parent included, where they are plain
+        data (or LightningCLI's config, when it built the model)."""
         saved_by_parent = dict(self.hparams)
+        dropped: list[str] = []
         if not saved_by_parent:  # the parent chose nothing (if it did, its `ignore=` choices stand)
             self.save_hyperparameters()
-        # LightningCLI's config already has the mixin's settings, in its own form.
-        own = {} if _compat.cli_class_path(self.hparams) is not None else config.to_hparams()
-        hparams, dropped = plain_data({**saved_by_parent, **self.hparams, **own})
+            saved_by_parent, dropped = plain_data(dict(self.hparams))
         if dropped:
             rank_zero_warn(
-                f"MuonMixin left {sorted(dropped)} out of the saved hyperparameters: they are not plain data, and "
-                "checkpoints must load with weights_only=True. Pass plain values (or specs) instead."
+                f"MuonMixin left {sorted(dropped)} out of the saved hyperparameters: the parent saves none itself, "
+                "and these arguments are not plain data, so load_from_checkpoint needs them passed again (as "
+                "without the mixin). Call self.save_hyperparameters() in the parent to keep them."
             )
-        self.hparams.clear()  # save_hyperparameters(dict) updates: start from the plain set alone
-        self.save_hyperparameters(hparams)
+        # LightningCLI's config already has the mixin's settings, in its own form.
+        own = {} if _compat.cli_class_path(saved_by_parent) is not None else config.to_hparams()
+        self.hparams.clear()  # save_hyperparameters(dict) updates: start from the chosen set alone
+        self.save_hyperparameters({**saved_by_parent, **own})
 
     # ------------------------------------------------ read-only surface (callbacks, commands)
 
@@ -302,18 +309,22 @@ class MuonMixin(_LightningModuleBase):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         saved = checkpoint.get(_checkpoint.CHECKPOINT_KEY)
+        trainer = _compat.attached_trainer(self)  # None for load_from_checkpoint: weights only, no optimizers
+        resuming = trainer is not None and trainer.state.fn == "fit"
         if saved is None:
-            trainer = _compat.attached_trainer(self)  # None for load_from_checkpoint: weights only, no optimizers
-            if trainer is not None and trainer.state.fn == "fit":
+            if resuming:
                 _checkpoint.refuse_foreign_optimizer_states(checkpoint)
             return
-        _checkpoint.check_routing(saved, _checkpoint.optimizer_names(self.muon_routing()))
+        if resuming:  # optimizer states follow: they must meet the parameters they were saved for
+            current = _checkpoint.optimizer_names(self.muon_routing())
+            _checkpoint.check_same_model(saved, current)
+            _checkpoint.check_routing(saved, current)
         self._muon_loop.load_state_dict(saved)
 
 
 def _own_classes(cls: type) -> list[type]:
     """The model's own classes, most derived first: its MRO without `MuonMixin` and Lightning's classes."""
-    return [k for k in cls.__mro__ if k is not MuonMixin and k not in LightningModule.__mro__]
+    return [k for k in cls.__mro__ if k is not MuonMixin and not _compat.is_lightning_module_base(k)]
 
 
 def _check_bases(cls: type) -> None:
