@@ -102,3 +102,32 @@ def test_a_model_built_differently_is_not_refused_as_a_routing_difference(tmp_pa
                                                         r"in the checkpoint") as error:
         make_trainer(tmp_path / "resume", max_steps=8).fit(other, ckpt_path=path)
     assert "different routing" not in str(error.value)
+
+
+class SavesNothing(Forecaster):
+    """A parent that saves no hyperparameters (gluonts' DeepAR module): the mixin saves the plain ones."""
+
+    def __init__(self, model_kwargs: dict, hidden: int = 16) -> None:
+        super().__init__(model_kwargs=model_kwargs, hidden=hidden)
+        self.hparams.clear()  # as if the parent's __init__ had not called save_hyperparameters
+
+
+class MuonSavesNothing(MuonMixin, SavesNothing):
+    pass
+
+
+def test_an_argument_holding_an_object_is_left_out_whole_saying_where_when_the_parent_saves_nothing(tmp_path):
+    """A dict with an object inside is not saved in part (a part would rebuild another model without a word):
+    load_from_checkpoint then needs it passed again, as the parent's own checkpoint would."""
+    kwargs = {"output": Normalizer(3.0), "note": "plain"}
+    with pytest.warns(UserWarning, match=r"left \['model_kwargs'\] out of the saved hyperparameters.*"
+                                         r"\(model_kwargs\.output\)"):
+        model = MuonSavesNothing(model_kwargs=kwargs, hidden=8)
+    assert "model_kwargs" not in model.hparams and model.hparams["hidden"] == 8
+    path = fitted(tmp_path, model)
+    with pytest.raises(TypeError, match="model_kwargs"):
+        MuonSavesNothing.load_from_checkpoint(path, weights_only=True)
+    with pytest.warns(UserWarning, match=r"left \['model_kwargs'\]"):  # built again with it: the same warning
+        loaded = MuonSavesNothing.load_from_checkpoint(path, weights_only=True, model_kwargs=kwargs)
+    x = torch.randn(5, 4)
+    assert torch.equal(loaded(x), model(x))

@@ -52,10 +52,20 @@ def _plain(value: Any) -> Any:
 
 
 def plain_data(values: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """``values`` with torch dtypes spelled by name, and the keys whose values are not plain data left out."""
+    """``values`` with torch dtypes spelled by name, and the keys whose values are not plain data left out.
+
+    A dict that holds something that is not plain data is left out whole (a part of it would be another value,
+    and would build another model without a word); the second result names what was not plain, as dotted paths
+    (``model_kwargs.distr_output``)."""
     kept, dropped = {}, []
     for key, value in values.items():
-        value = _plain_value(value) if not isinstance(value, dict) else plain_data(value)[0]
+        if isinstance(value, dict):
+            value, inner = plain_data(value)
+            if inner:
+                dropped += [f"{key}.{path}" for path in inner]
+                continue
+        else:
+            value = _plain_value(value)
         if _is_plain(value):
             kept[key] = value
         else:

@@ -152,10 +152,12 @@ class MuonMixin(_LightningModuleBase):
             self.save_hyperparameters()
             saved_by_parent, dropped = plain_data(dict(self.hparams))
         if dropped:
+            left_out = sorted({path.split(".")[0] for path in dropped})
             rank_zero_warn(
-                f"MuonMixin left {sorted(dropped)} out of the saved hyperparameters: the parent saves none itself, "
-                "and these arguments are not plain data, so load_from_checkpoint needs them passed again (as "
-                "without the mixin). Call self.save_hyperparameters() in the parent to keep them."
+                f"MuonMixin left {left_out} out of the saved hyperparameters: the parent saves none itself, and "
+                f"they hold what is not plain data ({', '.join(sorted(dropped))}), so load_from_checkpoint needs "
+                "them passed again, as without the mixin. Call self.save_hyperparameters() in the parent to keep "
+                "them in its checkpoints."
             )
         # LightningCLI's config already has the mixin's settings, in its own form.
         own = {} if _compat.cli_class_path(saved_by_parent) is not None else config.to_hparams()

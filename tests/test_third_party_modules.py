@@ -1,0 +1,92 @@
+"""LightningModules that other libraries ship, with MuonMixin mixed in, trained through their own entry points
+on small synthetic data (no downloads): pytorch-forecasting's TemporalFusionTransformer and gluonts' DeepAR.
+
+Each trains, and its checkpoint loads back to the same model the way that library loads it: pytorch-forecasting
+keeps objects (its ``GroupNormalizer``) in the hyperparameters and loads with ``weights_only=False``; gluonts'
+estimator restores its best checkpoint into the module it built, with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from unittest import mock
+
+import lightning.pytorch as pl
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from lightning_muon import MuonMixin
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
+
+
+def quiet_trainer(root, **kwargs) -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=root, **kwargs)
+
+
+def test_temporal_fusion_transformer_trains_and_its_checkpoint_gives_the_same_forecast(tmp_path):
+    from pytorch_forecasting import TemporalFusionTransformer, TimeSeriesDataSet
+    from pytorch_forecasting.data import GroupNormalizer
+
+    class MuonTFT(MuonMixin, TemporalFusionTransformer):
+        pass
+
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame({"series": np.repeat(np.arange(4), 60).astype(str), "time_idx": np.tile(np.arange(60), 4)})
+    frame["value"] = np.sin(frame.time_idx / 5.0) + rng.normal(0, 0.1, len(frame)) + frame.series.astype(int)
+    data = TimeSeriesDataSet(
+        frame, time_idx="time_idx", target="value", group_ids=["series"], max_encoder_length=12,
+        max_prediction_length=4, time_varying_unknown_reals=["value"],
+        target_normalizer=GroupNormalizer(groups=["series"]),
+    )
+    pl.seed_everything(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = MuonTFT.from_dataset(data, hidden_size=8, attention_head_size=1, hidden_continuous_size=4)
+    routing = model.muon_routing()
+    assert {"output_layer.weight", "output_layer.bias"} <= set(routing.names("AdamW"))  # the output head
+    assert len(routing.names("Muon")) == 34
+    assert isinstance(model.hparams["output_transformer"], GroupNormalizer)  # the library's object, kept
+
+    trainer = quiet_trainer(tmp_path, max_steps=4)
+    trainer.fit(model, data.to_dataloader(train=True, batch_size=16, num_workers=0))
+    assert trainer.global_step == 4
+    trainer.save_checkpoint(tmp_path / "tft.ckpt")
+    loaded = MuonTFT.load_from_checkpoint(tmp_path / "tft.ckpt", weights_only=False)  # as the library loads it
+    batch, _ = next(iter(data.to_dataloader(train=False, batch_size=8, num_workers=0)))
+    model.eval(), loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(batch)["prediction"], model(batch)["prediction"])
+
+
+@pytest.mark.slow
+def test_deepar_trains_through_the_gluonts_estimator_and_restores_its_best_checkpoint(tmp_path):
+    from gluonts.dataset.common import ListDataset
+    from gluonts.torch.distributions import NormalOutput
+    from gluonts.torch.model.deepar import DeepAREstimator, DeepARLightningModule
+
+    class MuonDeepAR(MuonMixin, DeepARLightningModule):
+        pass
+
+    rng = np.random.default_rng(0)
+    start = pd.Period("2020-01-01", freq="h")
+    data = ListDataset(
+        [{"start": start, "target": np.sin(np.arange(200) / 6) + rng.normal(0, 0.1, 200)} for _ in range(4)], freq="h"
+    )
+    estimator = DeepAREstimator(
+        freq="h", prediction_length=4, context_length=12, hidden_size=8, num_layers=1, batch_size=8,
+        num_batches_per_epoch=4, distr_output=NormalOutput(),
+        trainer_kwargs=dict(max_epochs=2, accelerator="cpu", enable_progress_bar=False, logger=False,
+                            enable_model_summary=False, default_root_dir=tmp_path),
+    )
+    pl.seed_everything(0)
+    # The estimator builds its module by this name: the mixed-in one in its place (what a subclass would return).
+    with mock.patch("gluonts.torch.model.deepar.estimator.DeepARLightningModule", MuonDeepAR):
+        trained = estimator.train_model(data)  # restores the best checkpoint with torch.load(weights_only=True)
+    assert isinstance(trained.trained_net, MuonDeepAR) and trained.trainer.global_step == 8
+    assert "model_kwargs" not in trained.trained_net.hparams  # it holds NormalOutput(): left out whole, with a warning
+    forecast = next(iter(trained.predictor.predict(data)))
+    assert forecast.mean.shape == (4,) and np.isfinite(forecast.mean).all()
