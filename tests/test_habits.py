@@ -237,7 +237,6 @@ class StepsKeptOptimizer(Regression):
 
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
-        loss.backward()
         self.kept.step()
         return loss
 
@@ -247,8 +246,16 @@ class StepsTrainerOptimizer(Regression):
 
     def training_step(self, batch, batch_idx):
         loss = self.loss(batch)
-        loss.backward()
         self.trainer.optimizers[-1].step()
+        return loss
+
+
+class BareBackward(Regression):
+    """``loss.backward()`` goes around Lightning altogether: its gradient would add to the loop's own."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        loss.backward()
         return loss
 
 
@@ -292,8 +299,10 @@ OWN_BACKWARD = r"training_step runs a backward around MuonMixin \(super\(\)\.man
         (with_mixin(Regression), BackwardInCallback(), r"a hook or callback outside training_step calls manual_back"),
         (with_mixin(StepsKeptOptimizer), None, r"training_step steps an optimizer itself \(opt\.step\(\)\)"),
         (with_mixin(StepsTrainerOptimizer), None, r"training_step steps an optimizer itself \(opt\.step\(\)\)"),
+        (with_mixin(BareBackward), None, r"training_step runs a backward itself \(loss\.backward\(\)\)"),
     ],
-    ids=["decorated", "super-chain", "super-of-mixin", "parent-super", "callback", "kept-optimizer", "raw-optimizer"],
+    ids=["decorated", "super-chain", "super-of-mixin", "parent-super", "callback", "kept-optimizer", "raw-optimizer",
+         "bare-backward"],
 )
 def test_a_backward_or_step_that_is_not_the_mixins_is_refused_at_its_first_call_before_any_weight_moves(
     tmp_path, build, callback, where

@@ -148,6 +148,8 @@ class UpdateLoop:
         self._warned_none = False
         #: The 1-based batch index of the last update, until its monitor-driven "step" schedulers step.
         self._plateau_pending: int | None = None
+        #: The parameters' gradient hooks of `guard_steps` (removed when a later fit guards its optimizers).
+        self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     @property
     def in_training_step(self) -> bool:
@@ -164,15 +166,26 @@ class UpdateLoop:
             raise by_hand(module, f"{where} {call}")
 
     def guard_steps(self, module: LightningModule, optimizers: Iterable[Optimizer]) -> None:
-        """Make a step of any of ``optimizers`` inside the parent's ``training_step`` raise before it moves a
-        weight (a step pre-hook, which does nothing outside ``training_step``, where the loop steps them)."""
+        """Inside the parent's ``training_step``, where the loop owns the update, make a step of any of
+        ``optimizers`` raise before it moves a weight (a step pre-hook), and a backward that accumulates into
+        their parameters' gradients raise as it does (``loss.backward()`` by hand would add a second gradient
+        to the loop's own). Both hooks do nothing outside ``training_step``, where the loop runs them."""
 
-        def refuse(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def refuse_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._in_training_step:
                 raise by_hand(module, "training_step steps an optimizer itself (opt.step())")
 
+        def refuse_backward(param: torch.Tensor) -> None:
+            if self._in_training_step:
+                raise by_hand(module, "training_step runs a backward itself (loss.backward())")
+
+        for handle in self._grad_hooks:  # a later fit's optimizers: one hook per parameter, not one per fit
+            handle.remove()
+        self._grad_hooks = []
         for optimizer in optimizers:
-            optimizer.register_step_pre_hook(refuse)
+            optimizer.register_step_pre_hook(refuse_step)
+            for group in optimizer.param_groups:
+                self._grad_hooks += [p.register_post_accumulate_grad_hook(refuse_backward) for p in group["params"]]
 
     # ------------------------------------------------------------ checkpoints
 
