@@ -154,3 +154,14 @@ def test_the_mixins_saved_pair_loads_into_the_single_optimizer(tmp_path):
         for i, entry in saved["state"].items():
             assert all(torch.equal(back["state"][i][k], v) for k, v in entry.items())
     assert single.param_groups[0]["param_names"] == mixed.muon_routing().names("Muon")
+
+
+def test_muon_monitor_logs_the_learning_rates_only_and_says_so(tmp_path):
+    from lightning_muon import MuonMonitor
+
+    trainer = make_trainer(tmp_path, csv_dir=tmp_path / "csv", max_steps=2, callbacks=[MuonMonitor()])
+    with pytest.warns(UserWarning, match="MuonMonitor found no Muon optimizer"):
+        trainer.fit(Classifier())
+    keys = {k for r in read_metrics(tmp_path / "csv") for k, v in r.items() if v}
+    assert {"lr-MuonWithAdamW/hidden", "lr-MuonWithAdamW/head"} <= keys
+    assert not {k for k in keys if k.startswith("muon/orthogonality")}

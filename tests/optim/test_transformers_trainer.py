@@ -127,7 +127,7 @@ def test_trainer_trains_routes_and_resumes_exactly(kind, tmp_path):
 
 
 def test_optimizer_cls_and_kwargs_builds_it_from_the_model(tmp_path):
-    by_class = train("gpt2", tmp_path / "by_class", by_class=True, steps=4)
+    by_class = train("gpt2", tmp_path / "by_class", by_class=True, steps=3)
     by_instance_model = make_model("gpt2")
     assert [g["param_names"] for g in unwrapped(by_class.optimizer).param_groups] == [
         g["param_names"] for g in MuonWithAdamW.from_model(by_instance_model).param_groups
