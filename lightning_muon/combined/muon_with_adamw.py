@@ -167,12 +167,12 @@ class MuonWithAdamW(Optimizer):
         inner = self._inner.get(algorithm)
         if inner is None:
             inner = _build(algorithm, param_group, self._settings[algorithm])
-            self._inner[algorithm] = inner
             inner.state = self.state
         else:
             inner.add_param_group(param_group)
         assert inner.param_groups[-1] is param_group  # the same dict: schedulers' writes reach the inner one
         self._refuse_shared(param_group, inner)
+        self._inner.setdefault(algorithm, inner)
         self.param_groups.append(param_group)
 
     def _refuse_shared(self, group: dict[str, Any], inner: Optimizer) -> None:

@@ -226,6 +226,26 @@ def test_a_refused_group_leaves_the_optimizer_as_it_was():
     with pytest.raises(ValueError, match="both a Muon and an AdamW"):
         opt.add_param_group({"algorithm": "adamw", "params": [a.weight]})
     assert len(opt.param_groups) == 2 and len(opt.adamw.param_groups) == 1
+    only_muon = MuonWithAdamW([{"algorithm": "muon", "params": [a.weight]}])
+    with pytest.raises(ValueError, match="both a Muon and an AdamW"):  # the first AdamW group: no AdamW after it
+        only_muon.add_param_group({"algorithm": "adamw", "params": [a.weight]})
+    assert only_muon.adamw is None and len(only_muon.param_groups) == 1
+
+
+def test_after_load_state_dict_the_groups_lrs_still_reach_the_inner_optimizers():
+    """load_state_dict builds new group dicts: the inner optimizers step with them (a scheduler's writes)."""
+    model = make_net()
+    opt = MuonWithAdamW.from_model(model, **SINGLE_KW)
+    step_single(model, opt, batches(1))
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for group in opt.param_groups:
+        group["lr"] = 0.0 if group["algorithm"] == "muon" else group["lr"]
+    muon_before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    adamw_before = [p.detach().clone() for g in opt.param_groups[1:] for p in g["params"]]
+    step_single(model, opt, batches(1, seed=1))
+    assert all(torch.equal(b, p) for b, p in zip(muon_before, opt.param_groups[0]["params"]))  # lr 0: no move
+    adamw_after = [p for g in opt.param_groups[1:] for p in g["params"]]
+    assert not any(torch.equal(b, p) for b, p in zip(adamw_before, adamw_after))
 
 
 # ------------------------------------------------------------------ equivalence with the pair
@@ -275,6 +295,7 @@ def test_a_state_dict_resumes_exactly():
     resumed = MuonWithAdamW.from_model(resumed_model, **SINGLE_KW)
     resumed.load_state_dict(saved)
     assert resumed.muon.param_groups[0] is resumed.param_groups[0] and resumed.muon.state is resumed.state
+    assert [id(g) for g in resumed.adamw.param_groups] == [id(g) for g in resumed.param_groups[1:]]
     step_single(through, opt, data[3:])
     step_single(resumed_model, resumed, data[3:])
     assert_same_weights(through, resumed_model)
