@@ -124,11 +124,11 @@ class MuonWithAdamW(Optimizer):
         #: The inner optimizers, built from the first group of their algorithm.
         self._inner: dict[str, Optimizer] = {}
         groups, self.routing = _groups(params, muon_params, adamw_params)
+        # ``defaults``: each algorithm's, as its inner optimizer has them once it is built (`add_param_group`).
         super().__init__(groups, {MUON: {}, ADAMW: {}})
         for algorithm in ALGORITHMS:
             if algorithm not in self._inner:  # no group of it yet: its settings are still checked now
                 _validation_only(algorithm, self._settings[algorithm])
-        self.defaults = {a: dict(self._inner[a].defaults) if a in self._inner else {} for a in ALGORITHMS}
 
     @classmethod
     def from_model(
@@ -172,7 +172,9 @@ class MuonWithAdamW(Optimizer):
             inner.add_param_group(param_group)
         assert inner.param_groups[-1] is param_group  # the same dict: schedulers' writes reach the inner one
         self._refuse_shared(param_group, inner)
-        self._inner.setdefault(algorithm, inner)
+        if algorithm not in self._inner:
+            self._inner[algorithm] = inner
+            self.defaults[algorithm] = dict(inner.defaults)
         self.param_groups.append(param_group)
 
     def _refuse_shared(self, group: dict[str, Any], inner: Optimizer) -> None:

@@ -229,7 +229,11 @@ def test_a_refused_group_leaves_the_optimizer_as_it_was():
     only_muon = MuonWithAdamW([{"algorithm": "muon", "params": [a.weight]}])
     with pytest.raises(ValueError, match="both a Muon and an AdamW"):  # the first AdamW group: no AdamW after it
         only_muon.add_param_group({"algorithm": "adamw", "params": [a.weight]})
-    assert only_muon.adamw is None and len(only_muon.param_groups) == 1
+    assert only_muon.adamw is None and len(only_muon.param_groups) == 1 and only_muon.defaults["adamw"] == {}
+    only_muon.add_param_group({"algorithm": "adamw", "params": [a.bias], "betas": (0.8, 0.9)})
+    assert only_muon.adamw.param_groups == [only_muon.param_groups[1]] and only_muon.adamw.state is only_muon.state
+    assert only_muon.defaults["adamw"]["betas"] == (0.9, 0.95) and only_muon.param_groups[1]["betas"] == (0.8, 0.9)
+    assert only_muon.defaults["muon"]["lr"] == 0.02
 
 
 def test_after_load_state_dict_the_groups_lrs_still_reach_the_inner_optimizers():
