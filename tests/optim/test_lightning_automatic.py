@@ -156,12 +156,18 @@ def test_the_mixins_saved_pair_loads_into_the_single_optimizer(tmp_path):
     assert single.param_groups[0]["param_names"] == mixed.muon_routing().names("Muon")
 
 
-def test_muon_monitor_logs_the_learning_rates_only_and_says_so(tmp_path):
+def test_muon_monitor_diagnoses_the_muon_inside(tmp_path):
     from lightning_muon import MuonMonitor
 
-    trainer = make_trainer(tmp_path, csv_dir=tmp_path / "csv", max_steps=2, callbacks=[MuonMonitor()])
-    with pytest.warns(UserWarning, match="MuonMonitor found no Muon optimizer"):
-        trainer.fit(Classifier())
-    keys = {k for r in read_metrics(tmp_path / "csv") for k, v in r.items() if v}
-    assert {"lr-MuonWithAdamW/hidden", "lr-MuonWithAdamW/head"} <= keys
-    assert not {k for k in keys if k.startswith("muon/orthogonality")}
+    model = Classifier()
+    trainer = make_trainer(tmp_path, csv_dir=tmp_path / "csv", max_steps=4, accumulate_grad_batches=ACCUMULATE,
+                           callbacks=[MuonMonitor(log_every_n_steps=2, per_parameter=True)])
+    trainer.fit(model)
+    rows = [r for r in read_metrics(tmp_path / "csv") if r.get("muon/orthogonality_error")]
+    assert [int(r["step"]) for r in rows] == [1, 3]  # every 2nd update
+    for row in rows:
+        assert 0.0 < float(row["muon/orthogonality_error"]) <= float(row["muon/orthogonality_error_max"]) < 1.0
+        assert float(row["muon/orthogonality_error/hidden.weight"]) > 0.0
+        assert float(row["muon/effective_lr_max"]) == pytest.approx(0.02 * 0.9 ** int(row["step"]))
+        assert {"lr-MuonWithAdamW/hidden", "lr-MuonWithAdamW/head"} <= {k for k, v in row.items() if v}
+    assert not [k for k in rows[0] if k.startswith("muon/orthogonality_error/") and "head" in k]  # AdamW's
