@@ -4,8 +4,8 @@ The public API is what this module exports; everything else (modules and names
 starting with ``_``, and the subpackages' internals) may change between releases.
 
 Names load on first use, so ``from lightning_muon import Muon`` (or ``import
-lightning_muon.optim``) needs torch only: Lightning is imported by the names that
-need it (`MuonMixin`, `MuonMonitor`, `WallClock`).
+lightning_muon.optim``, or ``MuonWithAdamW``) needs torch only: Lightning is imported
+by the names that need it (`MuonMixin`, `MuonMonitor`, `WallClock`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_muon.callbacks import MuonMonitor, WallClock
+    from lightning_muon.combined import MuonWithAdamW
     from lightning_muon.lightning import MuonMixin
     from lightning_muon.optim import (
         Muon,
@@ -31,6 +32,7 @@ _EXPORTS = {
     "Muon": "lightning_muon.optim",
     "MuonMixin": "lightning_muon.lightning",
     "MuonMonitor": "lightning_muon.callbacks",
+    "MuonWithAdamW": "lightning_muon.combined",
     "ParamDiagnostics": "lightning_muon.optim",
     "Routing": "lightning_muon.routing",
     "WallClock": "lightning_muon.callbacks",
@@ -45,6 +47,7 @@ __all__ = [
     "Muon",
     "MuonMixin",
     "MuonMonitor",
+    "MuonWithAdamW",
     "ParamDiagnostics",
     "Routing",
     "WallClock",

@@ -1,5 +1,6 @@
 """The package's structure, checked: imports run one way (no circle, nothing upward), Lightning's private
-API is used only in ``lightning/_compat.py``, optim/ and routing/ import no Lightning, and ruff caps complexity.
+API is used only in ``lightning/_compat.py``, optim/, routing/ and combined/ import no Lightning, and ruff caps
+complexity.
 
 ``python tests/test_layout.py`` prints the import graph between the package's modules.
 """
@@ -26,12 +27,15 @@ SOURCES = {"lightning_muon": PACKAGE, "lightning_muon.examples": ROOT / "example
 LAYERS = {
     "lightning_muon.optim": 0,
     "lightning_muon.routing": 0,
-    "lightning_muon.lightning": 1,
-    "lightning_muon.callbacks": 2,
-    "lightning_muon.commands": 3,
-    "lightning_muon": 4,  # the public API (__init__) and __main__
-    "lightning_muon.examples": 5,  # models and data for the shipped configs: they import the public API
+    "lightning_muon.combined": 1,  # MuonWithAdamW: routes a model, delegates to Muon and torch's AdamW
+    "lightning_muon.lightning": 2,
+    "lightning_muon.callbacks": 3,
+    "lightning_muon.commands": 4,
+    "lightning_muon": 5,  # the public API (__init__) and __main__
+    "lightning_muon.examples": 6,  # models and data for the shipped configs: they import the public API
 }
+#: The layers that import no Lightning: plain-PyTorch users (and transformers' Trainer) import them.
+TORCH_ONLY = ("lightning_muon.optim", "lightning_muon.routing", "lightning_muon.combined")
 COMPAT = "lightning_muon.lightning._compat"
 
 
@@ -110,8 +114,9 @@ def test_the_import_graph_has_no_circle():
 
 
 def test_no_module_imports_upward():
-    examples = ("lightning_muon.optim.muon", "lightning_muon.commands.cli", "lightning_muon")
-    assert [layer(m) for m in examples] == [0, 3, 4]
+    examples = ("lightning_muon.optim.muon", "lightning_muon.combined.muon_with_adamw", "lightning_muon.commands.cli",
+                "lightning_muon")
+    assert [layer(m) for m in examples] == [0, 1, 4, 5]
     upward = [
         f"{module} (layer {layer(module)}) imports {target} (layer {layer(target)})"
         for module, targets in import_graph().items()
@@ -184,14 +189,16 @@ def test_ruff_limits_function_complexity_as_lightning_does():
     assert not any("C901" in ignored for path, ignored in ruff["per-file-ignores"].items() if "lightning_muon" in path)
 
 
-#: Packages the optimizer and the routing never import: plain-PyTorch users of `Muon` do not pay for them.
+#: Packages the optimizer, the routing and `MuonWithAdamW` never import: plain-PyTorch users do not pay for them.
 HEAVY = ("lightning", "pytorch_lightning", "lightning_utilities", "jsonargparse", "torchmetrics")
 
 
-def test_optim_and_routing_import_no_lightning():
+def test_optim_routing_and_combined_import_no_lightning():
     """Statically (every import statement, function-level ones too) and at run time, in a fresh interpreter."""
+    checked = [name for name in modules() if name.startswith(tuple(p + "." for p in TORCH_ONLY)) or name in TORCH_ONLY]
+    assert "lightning_muon.combined.muon_with_adamw" in checked and "lightning_muon.optim.muon" in checked
     for name, tree in modules().items():
-        if layer(name) != 0:
+        if name not in checked:
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -203,8 +210,8 @@ def test_optim_and_routing_import_no_lightning():
             assert not [t for t in targets if t.split(".")[0] in HEAVY], f"{name}:{node.lineno} imports {targets}"
     code = (
         "import sys\n"
-        "import lightning_muon.optim, lightning_muon.routing\n"
-        "from lightning_muon import Muon, route_parameters, orthogonality_error\n"
+        "import lightning_muon.optim, lightning_muon.routing, lightning_muon.combined\n"
+        "from lightning_muon import Muon, MuonWithAdamW, route_parameters, orthogonality_error\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -215,7 +222,7 @@ def test_the_public_api_is_the_top_level():
     import lightning_muon
 
     assert sorted(lightning_muon.__all__) == [
-        "Muon", "MuonMixin", "MuonMonitor", "ParamDiagnostics", "Routing", "WallClock", "WarmupCosine",
+        "Muon", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics", "Routing", "WallClock", "WarmupCosine",
         "adjust_lr", "orthogonality_error", "route_parameters", "zeropower_via_newtonschulz",
     ]
     for name in lightning_muon.__all__:

@@ -18,7 +18,8 @@ Every ``log_every_n_steps`` updates it logs, in `LearningRateMonitor`'s key sche
   ``log_every_n_steps``; the monitor writes it into its own rows too, so every
   row it writes is complete at the monitor's own interval.
 
-The orthogonality numbers come from `lightning_muon.Muon` itself, which
+The orthogonality numbers come from `lightning_muon.Muon` itself (also the one
+inside a `lightning_muon.MuonWithAdamW`, under automatic optimization), which
 records them during the logging step only (one ``r x r`` Gram matrix per
 matrix, nothing on other steps). For an optimizer that cannot report
 (``torch.optim.Muon``) the monitor recomputes the update from the gradient and
@@ -43,6 +44,7 @@ from typing_extensions import override
 
 from lightning_muon.callbacks._checks import check_optional_count, require_logger
 from lightning_muon.callbacks.metrics import OrthogonalityError, UpdateRMS
+from lightning_muon.combined import MuonWithAdamW
 from lightning_muon.lightning import _compat
 from lightning_muon.lightning._update_loop import SKIPPED_STEPS_KEY
 from lightning_muon.lightning.mixin import MuonMixin
@@ -79,6 +81,14 @@ def lr_keys(optimizers: list[Optimizer]) -> list[list[str]]:
 
 def _is_muon(optimizer: Optimizer) -> bool:
     return isinstance(optimizer, (Muon, torch.optim.Muon))
+
+
+def _muon_of(optimizer: Optimizer) -> Optimizer:
+    """The Muon that steps ``optimizer``'s Muon groups: the one inside a `MuonWithAdamW` (when it has Muon
+    groups), else the optimizer itself."""
+    if isinstance(optimizer, MuonWithAdamW) and optimizer.muon is not None:
+        return optimizer.muon
+    return optimizer
 
 
 class MuonMonitor(Callback):
@@ -128,12 +138,13 @@ class MuonMonitor(Callback):
             rank_zero_info(
                 "MuonMonitor: LearningRateMonitor logs the lr-* keys, so MuonMonitor leaves them out of its rows."
             )
-        self._muon = [o for o in self._optimizers if _is_muon(o)]
+        self._muon = [_muon_of(o) for o in self._optimizers if _is_muon(_muon_of(o))]
         baseline = isinstance(pl_module, MuonMixin) and not pl_module.muon_enabled
         if not self._muon and not baseline:
             # (no warning for MuonMixin's muon=None baseline, where no Muon is the point)
             rank_zero_warn(
-                "MuonMonitor found no Muon optimizer (lightning_muon.Muon or torch.optim.Muon), so it logs "
+                "MuonMonitor found no Muon optimizer (lightning_muon.Muon, torch.optim.Muon or a MuonWithAdamW "
+                "with Muon groups), so it logs "
                 "learning rates only. Train with MuonMixin (muon=...) to see Muon's diagnostics."
             )
         self._names = {id(p): n for n, p in pl_module.named_parameters()}
@@ -145,7 +156,7 @@ class MuonMonitor(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        optimizer = getattr(optimizer, "optimizer", optimizer)
+        optimizer = _muon_of(getattr(optimizer, "optimizer", optimizer))
         step = _compat.logger_step(trainer)  # index of this update, as loggers count
         if (step + 1) % self._every:
             return

@@ -1,0 +1,294 @@
+"""`MuonWithAdamW`: one ``torch.optim.Optimizer`` holding Muon and AdamW, for frameworks that take one optimizer.
+
+transformers' ``Trainer``, recipe configs (``_component_`` / ``class_path`` specs) and Lightning's automatic
+optimization each take a single optimizer. This one holds both algorithms: every param group says its
+``algorithm`` (``"muon"`` or ``"adamw"``) next to that algorithm's settings, and there is one ``state``, one
+``state_dict`` / ``load_state_dict``, one ``zero_grad`` and one ``step(closure)``.
+
+It is not a re-implementation: inside are a `lightning_muon.Muon` and a ``torch.optim.AdamW`` (torch's own
+kernels, foreach / fused as torch chooses) that share this optimizer's param-group dicts and its ``state``
+mapping. An lr scheduler writing ``group["lr"]`` reaches them; a step steps both, exactly as the pair
+``Muon(routing.muon_groups)``, ``AdamW(routing.adamw_groups)`` would (bit for bit: tests/optim).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+from torch.optim import AdamW, Optimizer
+
+from lightning_muon.combined.state import ADAMW, ALGORITHMS, MUON, merge_state_dicts, split_state_dict
+from lightning_muon.optim import Muon
+from lightning_muon.optim.muon import DEFAULT_GRAM_ASPECT, EXCHANGE_ROUND_BYTES
+from lightning_muon.optim.newton_schulz import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
+from lightning_muon.routing import ADAMW as ROUTED_ADAMW
+from lightning_muon.routing import MUON as ROUTED_MUON
+from lightning_muon.routing import Routing, route_parameters
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["MuonWithAdamW"]
+
+_NO_ALGORITHM = (
+    "MuonWithAdamW needs to know which parameters are Muon's (hidden matrices) and which AdamW's (embeddings, "
+    "the output head, norms, biases): give it the model itself (`MuonWithAdamW(model)` or "
+    "`MuonWithAdamW.from_model(model)`, routed by lightning_muon.route_parameters), or param groups that each "
+    "say {'algorithm': 'muon' | 'adamw'}. transformers' Trainer: `optimizer_cls_and_kwargs=(MuonWithAdamW, "
+    "{'model': model, ...})` or `optimizers=(MuonWithAdamW.from_model(model), None)`."
+)
+
+
+class MuonWithAdamW(Optimizer):
+    """Muon on the hidden matrices and AdamW on everything else, as one optimizer.
+
+    Each param group carries ``algorithm``: ``"muon"`` groups take `lightning_muon.Muon`'s settings
+    (``lr``, ``momentum``, ``weight_decay``, ``ns_steps``, ...), ``"adamw"`` groups ``torch.optim.AdamW``'s
+    (``lr``, ``betas``, ``eps``, ``weight_decay``, ...). A group's own values win over the constructor's;
+    other keys (``name``, ``param_names``) are kept. The constructor's Muon arguments are `Muon`'s, with its
+    names; AdamW's carry an ``adamw_`` prefix (``adamw_lr``), except ``foreach`` and ``fused``, which only
+    AdamW has. The defaults are `lightning_muon.MuonMixin`'s (Muon ``lr=0.02, momentum=0.95,
+    weight_decay=0.01``; AdamW ``lr=3e-4, betas=(0.9, 0.95), weight_decay=0``).
+
+    Inside, a `Muon` and a ``torch.optim.AdamW`` share this optimizer's param-group dicts and ``state``
+    (`muon` and `adamw` return them: ``opt.muon.record_diagnostics()``, ``opt.muon.effective_lr(p)``).
+
+    Args:
+        params: the model (an ``nn.Module``: routed by `lightning_muon.route_parameters`, the groups named as
+            its table), a `lightning_muon.Routing`, or param groups each with ``algorithm`` (their ``params``
+            tensors or ``(name, tensor)`` pairs, as ``model.named_parameters()`` gives). A bare list of
+            parameters is refused: it does not say which are hidden matrices.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn, ns_dtype,
+            ns_batch_bytes, ns_gram_aspect, split_ns, process_group, device_mesh, exchange_round_bytes:
+            the Muon groups' settings and `Muon`'s own (see `lightning_muon.Muon`).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, adamw_amsgrad, foreach, fused: the AdamW groups'
+            settings (``torch.optim.AdamW``'s ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``,
+            ``foreach``, ``fused``).
+        muon_params, adamw_params: routing overrides, glob patterns on full parameter names (only with a
+            model: see `lightning_muon.route_parameters`).
+
+    Raises:
+        ValueError: a bad setting (quoting it, as `Muon` and ``AdamW`` word it), a group without a valid
+            ``algorithm``, a parameter in two groups, or a group Muon cannot take (a tensor under 2 dims).
+    """
+
+    #: The routing the groups came from (``None`` when built from explicit groups).
+    routing: Routing | None
+
+    def __init__(
+        self,
+        params: nn.Module | Routing | Iterable[dict[str, Any]],
+        lr: float | Tensor = 0.02,
+        weight_decay: float = 0.01,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] | str = DEFAULT_NS_COEFFICIENTS,
+        eps: float = DEFAULT_EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        adamw_lr: float | Tensor = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        adamw_amsgrad: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        ns_dtype: torch.dtype | str = torch.bfloat16,
+        ns_batch_bytes: int | None = None,
+        ns_gram_aspect: float | None = DEFAULT_GRAM_ASPECT,
+        split_ns: bool = True,
+        process_group: ProcessGroup | None = None,
+        device_mesh: DeviceMesh | None = None,
+        exchange_round_bytes: int = EXCHANGE_ROUND_BYTES,
+        muon_params: Sequence[str] = (),
+        adamw_params: Sequence[str] = (),
+    ) -> None:
+        self._settings: dict[str, dict[str, Any]] = {
+            MUON: {
+                "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
+                "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
+                "ns_dtype": ns_dtype, "ns_batch_bytes": ns_batch_bytes, "ns_gram_aspect": ns_gram_aspect,
+                "split_ns": split_ns, "process_group": process_group, "device_mesh": device_mesh,
+                "exchange_round_bytes": exchange_round_bytes,
+            },
+            ADAMW: {
+                "lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps, "weight_decay": adamw_weight_decay,
+                "amsgrad": adamw_amsgrad, "foreach": foreach, "fused": fused,
+            },
+        }
+        #: The inner optimizers, built from the first group of their algorithm.
+        self._inner: dict[str, Optimizer] = {}
+        groups, self.routing = _groups(params, muon_params, adamw_params)
+        # ``defaults``: each algorithm's, as its inner optimizer has them once it is built (`add_param_group`).
+        super().__init__(groups, {MUON: {}, ADAMW: {}})
+        for algorithm in ALGORITHMS:
+            if algorithm not in self._inner:  # no group of it yet: its settings are still checked now
+                _validation_only(algorithm, self._settings[algorithm])
+
+    @classmethod
+    def from_model(
+        cls, model: nn.Module, *, muon_params: Sequence[str] = (), adamw_params: Sequence[str] = (), **kwargs: Any
+    ) -> MuonWithAdamW:
+        """``MuonWithAdamW`` over ``model``'s trainable parameters, routed by `lightning_muon.route_parameters`
+        (the same table and reasons; ``print(opt.routing)``): Muon groups first, then AdamW's, each named as
+        its table says (``hidden``; ``embeddings``, ``head``, ...). ``kwargs`` are the constructor's."""
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"from_model takes an nn.Module, got {type(model).__name__}; use MuonWithAdamW(groups)")
+        return cls(model, muon_params=muon_params, adamw_params=adamw_params, **kwargs)
+
+    # ------------------------------------------------------------------ groups
+
+    @property
+    def muon(self) -> Muon | None:
+        """The inner `lightning_muon.Muon` (``None`` without a Muon group): diagnostics, effective lrs."""
+        inner = self._inner.get(MUON)
+        return inner if isinstance(inner, Muon) else None
+
+    @property
+    def adamw(self) -> AdamW | None:
+        """The inner ``torch.optim.AdamW`` (``None`` without an AdamW group)."""
+        inner = self._inner.get(ADAMW)
+        return inner if isinstance(inner, AdamW) else None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group with ``algorithm`` ``"muon"`` or ``"adamw"``; that algorithm's defaults fill its settings."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        algorithm = param_group.get("algorithm")
+        if algorithm not in ALGORITHMS:
+            if "algorithm" in param_group:
+                raise ValueError(f"Invalid algorithm: {algorithm!r} (must be one of {ALGORITHMS})")
+            raise ValueError(f"param group {len(self.param_groups)} has no 'algorithm'. {_NO_ALGORITHM}")
+        inner = self._inner.get(algorithm)
+        if inner is None:
+            inner = _build(algorithm, param_group, self._settings[algorithm])
+            inner.state = self.state
+        else:
+            inner.add_param_group(param_group)
+        assert inner.param_groups[-1] is param_group  # the same dict: schedulers' writes reach the inner one
+        self._refuse_shared(param_group, inner)
+        if algorithm not in self._inner:
+            self._inner[algorithm] = inner
+            self.defaults[algorithm] = dict(inner.defaults)
+        self.param_groups.append(param_group)
+
+    def _refuse_shared(self, group: dict[str, Any], inner: Optimizer) -> None:
+        """A parameter already in a group of the other algorithm: undo the inner add and refuse."""
+        others = {p for g in self.param_groups if g["algorithm"] != group["algorithm"] for p in g["params"]}
+        shared = [i for i, p in enumerate(group["params"]) if p in others]
+        if shared:
+            inner.param_groups.pop()
+            names = group.get("param_names")
+            which = ", ".join(names[i] if names else f"params[{i}]" for i in shared[:5])
+            raise ValueError(
+                f"some parameters appear in both a Muon and an AdamW group ({which}); each parameter belongs to "
+                "exactly one algorithm"
+            )
+
+    # ------------------------------------------------------------------- state
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_inner": self._inner, "_settings": self._settings, "routing": self.routing}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._relink()
+
+    def _relink(self) -> None:
+        """Point the inner optimizers at this optimizer's groups and state again (``load_state_dict`` and
+        unpickling build new group dicts and a new state), through their own ``__setstate__`` (which fills
+        in keys an older state dict lacks and casts AdamW's ``step``)."""
+        for algorithm, inner in self._inner.items():
+            groups = [g for g in self.param_groups if g["algorithm"] == algorithm]
+            inner.__setstate__({"state": self.state, "param_groups": groups})
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `MuonWithAdamW` state dict (`load_pair_state_dicts` takes a ``[Muon, AdamW]`` pair's).
+
+        Raises:
+            ValueError: the saved groups' algorithms differ from this optimizer's (or torch's own checks:
+                group count, group sizes).
+        """
+        saved = [g.get("algorithm") for g in state_dict["param_groups"]]
+        mine = [g["algorithm"] for g in self.param_groups]
+        if len(saved) == len(mine) and saved != mine:
+            raise ValueError(
+                f"the state dict's param groups have algorithms {saved}, this optimizer's {mine}: "
+                "it was saved by a MuonWithAdamW over other groups"
+            )
+        super().load_state_dict(state_dict)
+
+    def pair_state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(muon_state_dict, adamw_state_dict)``: this state as the pair ``[Muon, AdamW]`` over the same
+        groups would save it (`lightning_muon.MuonMixin`'s ``optimizer_states``); see `split_state_dict`."""
+        return split_state_dict(self.state_dict())
+
+    def load_pair_state_dicts(self, muon_state_dict: dict[str, Any], adamw_state_dict: dict[str, Any]) -> None:
+        """Load the states of a ``Muon`` and an ``AdamW`` over the same groups (each algorithm's groups in
+        this optimizer's order); see `merge_state_dicts`."""
+        algorithms = [g["algorithm"] for g in self.param_groups]
+        self.load_state_dict(merge_state_dicts(muon_state_dict, adamw_state_dict, algorithms))
+
+    # -------------------------------------------------------------------- step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One step of both algorithms; ``closure`` (evaluated once, with grad) re-evaluates the model and
+        returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for algorithm in ALGORITHMS:
+            inner = self._inner.get(algorithm)
+            if inner is not None:
+                inner.step()
+        return loss
+
+
+def _groups(
+    params: nn.Module | Routing | Iterable[dict[str, Any]], muon_params: Sequence[str], adamw_params: Sequence[str]
+) -> tuple[list[dict[str, Any]], Routing | None]:
+    """The param groups (each with ``algorithm``) and the routing they came from."""
+    if isinstance(params, nn.Module):
+        routing = route_parameters(params, muon_params=muon_params, adamw_params=adamw_params)
+    elif muon_params or adamw_params:
+        raise ValueError(
+            f"muon_params={list(muon_params)!r} / adamw_params={list(adamw_params)!r} are routing patterns: "
+            "give the model itself (MuonWithAdamW.from_model(model, muon_params=...)), not groups or a Routing"
+        )
+    elif isinstance(params, Routing):
+        routing = params
+    else:
+        groups = list(params)
+        if not groups:
+            raise ValueError("optimizer got an empty parameter list")
+        if not all(isinstance(g, dict) for g in groups):
+            raise ValueError(f"got {type(groups[0]).__name__}s, not param groups. {_NO_ALGORITHM}")
+        return [dict(g) for g in groups], None
+    if not routing.routes:
+        raise ValueError("optimizer got an empty parameter list (the model has no trainable parameter)")
+    groups = [{**g, "algorithm": MUON} for g in routing.groups(ROUTED_MUON)]
+    groups += [{**g, "algorithm": ADAMW} for g in routing.groups(ROUTED_ADAMW)]
+    return groups, routing
+
+
+def _build(algorithm: str, group: dict[str, Any], settings: dict[str, Any]) -> Optimizer:
+    """The inner optimizer of ``algorithm``, built over its first group (torch's constructors check the settings)."""
+    if algorithm == MUON:
+        return Muon([group], **settings)
+    return AdamW([group], **settings)
+
+
+def _validation_only(algorithm: str, settings: dict[str, Any]) -> None:
+    """Check the settings of an algorithm that has no group yet, as its constructor would (on a placeholder)."""
+    placeholder = torch.zeros(2, 2, requires_grad=True)
+    if algorithm == MUON:  # the process group and mesh are checked where they are used, with a parameter
+        Muon([placeholder], **{k: v for k, v in settings.items() if k not in ("process_group", "device_mesh")})
+    else:
+        AdamW([placeholder], **settings)

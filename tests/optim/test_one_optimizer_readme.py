@@ -1,0 +1,91 @@
+"""The README's "One optimizer" section, run as written: transformers' Trainer, the automatic-optimization
+LightningModule, its LightningCLI config and the spec recipes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_muon import MuonWithAdamW
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def blocks(language: str) -> list[str]:
+    text = README.read_text()
+    start = text.index("\n## One optimizer\n")
+    section = text[start : text.index("\n## ", start + 1)]
+    return re.findall(rf"```{language}\n(.*?)```", section, re.S)
+
+
+def run(block: str, name: str) -> dict:
+    namespace: dict = {"__name__": "readme"}
+    exec(compile(block, f"README.md ({name})", "exec", dont_inherit=True), namespace)  # real annotations
+    return namespace
+
+
+def test_the_section_has_its_examples():
+    python, yaml = blocks("python"), blocks("yaml")
+    assert len(python) == 3 and len(yaml) == 1
+    assert "optimizers=(optimizer, None)" in python[0] and "configure_optimizers" in python[1]
+    assert "instantiate_class(model, spec)" in python[2] and "class_path: lightning_muon.MuonWithAdamW" in yaml[0]
+
+
+def test_transformers_trainer_example(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    namespace = run(blocks("python")[0], "transformers")
+    trainer = namespace["trainer"]
+    assert trainer.optimizer.optimizer is namespace["optimizer"]
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    assert trainer.state.global_step == 6 and losses[-1] < losses[0]
+    adamw = {n for g in namespace["optimizer"].param_groups if g["algorithm"] == "adamw" for n in g["param_names"]}
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= adamw
+
+
+def test_automatic_optimization_example():
+    torch.manual_seed(0)
+    namespace = run(blocks("python")[1], "LightningModule")
+    trainer = namespace["trainer"]
+    (optimizer,) = [getattr(o, "optimizer", o) for o in trainer.optimizers]
+    assert isinstance(optimizer, MuonWithAdamW) and trainer.global_step == 40
+    assert optimizer.param_groups[0]["lr"] == 0.02 and optimizer.param_groups[1]["lr"] == 3e-3
+    x, y = namespace["data"].tensors
+    assert torch.nn.functional.cross_entropy(trainer.lightning_module.net(x), y).item() < 1.5  # from ln(16) = 2.77
+
+
+def test_lightning_cli_config_example(tmp_path):
+    from lightning.pytorch.cli import LightningCLI
+
+    torch.manual_seed(0)
+    namespace = run(blocks("python")[1].split("\ntrainer = ")[0], "LightningModule and data")
+    config = tmp_path / "config.yaml"
+    config.write_text(blocks("yaml")[0])
+    cli = LightningCLI(
+        namespace["Model"], save_config_callback=None,
+        args=["fit", "--config", str(config), "--trainer.max_steps", "4", "--trainer.logger", "false",
+              "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+              "--trainer.default_root_dir", str(tmp_path)],
+    )
+    (optimizer,) = [getattr(o, "optimizer", o) for o in cli.trainer.optimizers]
+    assert isinstance(optimizer, MuonWithAdamW) and cli.trainer.global_step == 4
+    assert cli.trainer.accumulate_grad_batches == 2 and cli.trainer.gradient_clip_val == 1.0
+    muon, *adamw = optimizer.param_groups
+    assert (muon["algorithm"], muon["lr"]) == ("muon", 0.02)
+    assert {(g["algorithm"], g["lr"], g["weight_decay"]) for g in adamw} == {("adamw", 0.003, 0.01)}
+
+
+def test_spec_examples():
+    namespace = run(blocks("python")[2], "spec")
+    optimizer, same = namespace["optimizer"], namespace["same"]
+    assert isinstance(optimizer, MuonWithAdamW) and isinstance(same, MuonWithAdamW)
+    for built in (optimizer, same):
+        assert [(g["algorithm"], g["name"], g["lr"]) for g in built.param_groups] == [
+            ("muon", "hidden", 0.02), ("adamw", "embeddings", 0.003), ("adamw", "head", 0.003),
+            ("adamw", "norms_and_biases", 0.003),
+        ]
+        assert built.param_groups[0]["weight_decay"] == 0.01
