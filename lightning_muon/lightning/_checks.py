@@ -100,6 +100,28 @@ def tell_replaced(module: LightningModule, own_classes: Sequence[type]) -> None:
     (rank_zero_warn if is_warning else rank_zero_info)(message)
 
 
+def parent_lr(module: LightningModule, own_classes: Sequence[type]) -> tuple[float, float]:
+    """The learning rate and weight decay of the first optimizer the parent's ``configure_optimizers`` builds
+    (its defaults), for ``parent_lr=True``; a `MisconfigurationException` where there is none to read."""
+    owner = parent_defining(own_classes, "configure_optimizers")
+    if owner is None:
+        raise MisconfigurationException(
+            f"parent_lr=True, but no class of {type(module).__name__} defines configure_optimizers to read a learning "
+            "rate from. Leave parent_lr out (the mixin's defaults) or give the lrs: muon=..., adamw=...."
+        )
+    try:
+        optimizers, _ = _compat.optimizers_and_schedulers(owner.configure_optimizers(module))  # type: ignore[attr-defined]
+    except Exception as error:
+        raise MisconfigurationException(
+            f"parent_lr=True: {owner.__name__}.configure_optimizers could not be called to read its learning rate "
+            f"({error!r}). Give the lrs instead: muon=..., adamw=...."
+        ) from error
+    if not optimizers:
+        raise MisconfigurationException(f"parent_lr=True: {owner.__name__}.configure_optimizers builds no optimizer.")
+    defaults = getattr(optimizers[0], "optimizer", optimizers[0]).defaults
+    return float(defaults["lr"]), float(defaults.get("weight_decay", 0.0))
+
+
 def _describe(optimizer: Optimizer) -> str:
     lrs = sorted({float(g["lr"]) for g in optimizer.param_groups})
     count = sum(len(g["params"]) for g in optimizer.param_groups)

@@ -177,6 +177,7 @@ class MuonConfig:
     accumulate_grad_batches: int
     gradient_clip_val: float | None
     max_consecutive_skips: int
+    parent_lr: bool = False
     muon_factory: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     adamw_factory: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
     lr_scheduler_factory: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
@@ -193,6 +194,7 @@ class MuonConfig:
         accumulate_grad_batches: int,
         gradient_clip_val: float | None,
         max_consecutive_skips: int,
+        parent_lr: bool = False,
     ) -> MuonConfig:
         """Validate the mixin's arguments (a `ValueError` naming the bad value and the fix) and resolve them."""
         if not _is_count(accumulate_grad_batches):
@@ -208,6 +210,8 @@ class MuonConfig:
             raise ValueError(
                 f"max_consecutive_skips must be >= 1, got {max_consecutive_skips!r} (a whole number of updates)"
             )
+        if not isinstance(parent_lr, bool):
+            raise ValueError(f"parent_lr must be True or False, got {parent_lr!r}")
         factories = {"muon": from_spec(muon), "adamw": from_spec(adamw), "lr_scheduler": from_spec(lr_scheduler)}
         if factories["adamw"] is None:
             raise ValueError("adamw must be an optimizer factory; it holds every parameter that is not on Muon")
@@ -228,6 +232,7 @@ class MuonConfig:
             accumulate_grad_batches=accumulate_grad_batches,
             gradient_clip_val=gradient_clip_val,
             max_consecutive_skips=max_consecutive_skips,
+            parent_lr=parent_lr,
             muon_factory=factories["muon"],
             adamw_factory=factories["adamw"],
             lr_scheduler_factory=factories["lr_scheduler"],
@@ -318,6 +323,17 @@ class MuonConfig:
         factory = functools.partial(self.adamw_factory, lr=lr)
         return dataclasses.replace(self, adamw=to_spec(factory), adamw_factory=factory)
 
+    def with_lr(self, lr: float, weight_decay: float) -> MuonConfig:
+        """This config's factories with AdamW at ``lr`` and ``weight_decay``, and Muon at the same with
+        ``adjust_lr_fn="match_rms_adamw"`` (its update RMS matched to AdamW's, as in Moonlight): ``parent_lr=True``.
+        The specs stay as given (they record ``parent_lr``, not the numbers)."""
+        assert self.adamw_factory is not None
+        muon = self.muon_factory and functools.partial(
+            self.muon_factory, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"
+        )
+        adamw = functools.partial(self.adamw_factory, lr=lr, weight_decay=weight_decay)
+        return dataclasses.replace(self, muon_factory=muon, adamw_factory=adamw)
+
     def to_hparams(self) -> dict[str, Any]:
         """The settings as plain data (lists, not tuples), as checkpoints save them."""
         return {
@@ -329,4 +345,5 @@ class MuonConfig:
             "accumulate_grad_batches": self.accumulate_grad_batches,
             "gradient_clip_val": self.gradient_clip_val,
             "max_consecutive_skips": self.max_consecutive_skips,
+            "parent_lr": self.parent_lr,
         }
