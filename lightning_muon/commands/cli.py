@@ -34,7 +34,6 @@ import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 
-from lightning_muon.commands import lightning_cli
 from lightning_muon.commands.config_files import expand_configs
 
 __all__ = ["main"]
@@ -59,6 +58,8 @@ def _configs(argv: list[str], from_command_line: bool) -> None:
 
 
 def _lightning_cli(argv: list[str], from_command_line: bool) -> None:
+    from lightning_muon.commands import lightning_cli  # Lightning and jsonargparse only for LightningCLI's subcommands
+
     lightning_cli.run(expand_configs(argv), from_command_line)
 
 
