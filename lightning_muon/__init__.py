@@ -5,7 +5,7 @@ starting with ``_``, and the subpackages' internals) may change between releases
 
 Names load on first use, so ``from lightning_muon import Muon`` (or ``import
 lightning_muon.optim``) needs torch only: Lightning is imported by the names that
-need it (`MuonMixin`, `MuonMonitor`, `WallClock`).
+need it (`MuonMixin`, `MuonMonitor`, `QKClip`, `WallClock`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_muon.callbacks import MuonMonitor, WallClock
+    from lightning_muon.callbacks import MuonMonitor, QKClip, WallClock
     from lightning_muon.lightning import MuonMixin
     from lightning_muon.optim import (
         Muon,
@@ -32,6 +32,7 @@ _EXPORTS = {
     "MuonMixin": "lightning_muon.lightning",
     "MuonMonitor": "lightning_muon.callbacks",
     "ParamDiagnostics": "lightning_muon.optim",
+    "QKClip": "lightning_muon.callbacks",
     "Routing": "lightning_muon.routing",
     "WallClock": "lightning_muon.callbacks",
     "WarmupCosine": "lightning_muon.optim",
@@ -46,6 +47,7 @@ __all__ = [
     "MuonMixin",
     "MuonMonitor",
     "ParamDiagnostics",
+    "QKClip",
     "Routing",
     "WallClock",
     "WarmupCosine",

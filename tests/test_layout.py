@@ -26,6 +26,7 @@ SOURCES = {"lightning_muon": PACKAGE, "lightning_muon.examples": ROOT / "example
 LAYERS = {
     "lightning_muon.optim": 0,
     "lightning_muon.routing": 0,
+    "lightning_muon.attention": 0,  # QK-Clip in plain PyTorch (it reads optim's DTensor check)
     "lightning_muon.lightning": 1,
     "lightning_muon.callbacks": 2,
     "lightning_muon.commands": 3,
@@ -203,7 +204,7 @@ def test_optim_and_routing_import_no_lightning():
             assert not [t for t in targets if t.split(".")[0] in HEAVY], f"{name}:{node.lineno} imports {targets}"
     code = (
         "import sys\n"
-        "import lightning_muon.optim, lightning_muon.routing\n"
+        "import lightning_muon.optim, lightning_muon.routing, lightning_muon.attention\n"
         "from lightning_muon import Muon, route_parameters, orthogonality_error\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\n"
     )
@@ -215,7 +216,7 @@ def test_the_public_api_is_the_top_level():
     import lightning_muon
 
     assert sorted(lightning_muon.__all__) == [
-        "Muon", "MuonMixin", "MuonMonitor", "ParamDiagnostics", "Routing", "WallClock", "WarmupCosine",
+        "Muon", "MuonMixin", "MuonMonitor", "ParamDiagnostics", "QKClip", "Routing", "WallClock", "WarmupCosine",
         "adjust_lr", "orthogonality_error", "route_parameters", "zeropower_via_newtonschulz",
     ]
     for name in lightning_muon.__all__:
