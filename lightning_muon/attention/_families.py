@@ -372,6 +372,17 @@ def _excluded(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatchcase(name, p) for p in patterns)
 
 
+def _holds_projections(module: nn.Module) -> bool:
+    """Matrices of its own or in leaf children (its projections), not only deeper in sub-blocks (a whole model
+    whose class name happens to say attention)."""
+    if any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+        return True
+    return any(
+        next(child.children(), None) is None and any(p.dim() >= 2 for p in child.parameters())
+        for child in module.children()
+    )
+
+
 def find_attention(model: nn.Module, exclude: Iterable[str] = ()) -> list[AttentionSite]:
     """Every attention module of ``model`` with its q/k layout, in module order, without naming any weight.
 
@@ -380,8 +391,9 @@ def find_attention(model: nn.Module, exclude: Iterable[str] = ()) -> list[Attent
         exclude: ``fnmatch`` patterns of module names to leave out (``"encoder.*"``).
 
     Raises:
-        UnsupportedAttentionError: for a module that looks like attention (its class name says so, it has
-            weights) but whose q and k cannot be found; the message names each and the adapter.
+        UnsupportedAttentionError: for a module that looks like attention (its class name says so, it holds
+            projection matrices itself or in leaf children) but whose q and k cannot be found; the message
+            names each and the adapter.
     """
     exclude = list(exclude)
     sites: list[AttentionSite] = []
@@ -393,11 +405,11 @@ def find_attention(model: nn.Module, exclude: Iterable[str] = ()) -> list[Attent
             sites.append(site)
     found = [s.name for s in sites]
     refused = [
-        f"{name} ({type(module).__name__})"
+        f"{name or 'the model'} ({type(module).__name__})"
         for name, module in model.named_modules()
         if _LOOKS_LIKE_ATTENTION.search(type(module).__name__)
         and not _excluded(name, exclude)
-        and any(p.dim() >= 2 for p in module.parameters())
+        and _holds_projections(module)
         and not any(_within(f, name) or _within(name, f) for f in found)
     ]
     if refused:
