@@ -61,6 +61,11 @@ class AttentionSite:
 
     def capture(self, recorder: Recorder) -> Callable[[], None]:
         """Start handing this module's q and k to ``recorder``; returns the function that stops it."""
+        if self.module in RECORDERS:
+            raise RuntimeError(
+                f"{self.name or 'the model'} ({type(self.module).__name__}) is measured already (another QKClipper "
+                "or QKClip on the same model): remove() that one first"
+            )
         RECORDERS[self.module] = recorder
         undo = _CAPTURES[self.family](self.module)
 

@@ -19,7 +19,7 @@ replicas by the same factors.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -108,7 +108,13 @@ class QKClipper:
         self._max: list[Tensor | None] = [None] * len(self.sites)
         self._ever_seen = [False] * len(self.sites)
         self._checked = False
-        self._removers = [site.capture(self._recorder(i)) for i, site in enumerate(self.sites)]
+        self._removers: list[Callable[[], None]] = []
+        try:
+            for i, site in enumerate(self.sites):
+                self._removers.append(site.capture(self._recorder(i)))
+        except BaseException:
+            self.remove()  # none of this clipper's captures stays behind
+            raise
 
     def _check_clippable(self) -> None:
         for site in self.sites:

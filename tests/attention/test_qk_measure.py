@@ -205,3 +205,14 @@ def test_a_found_attention_that_reports_nothing_is_an_error():
             model["used"](torch.randn(1, 5, 32))
         with pytest.raises(UnsupportedAttentionError, match=r"no q/k capture of unused \(OwnAttention\)"):
             clipper.clip()
+
+
+def test_one_meter_per_module_at_a_time():
+    from lightning_muon.attention.layout import RECORDERS
+
+    model = qk_models.OwnLM()
+    with QKClipper(model.blocks[1], tau=None):
+        with pytest.raises(RuntimeError, match=r"blocks.1 \(OwnAttention\) is measured already"):
+            QKClipper(model, tau=None)
+        assert model.blocks[0] not in RECORDERS  # the failed clipper took back what it had installed
+    QKClipper(model, tau=None).remove()  # free again once the first is removed
