@@ -81,7 +81,7 @@ def max_attention_logits(
         return result.flatten()
     grouped_keep = None if keep is None else _grouped_keep(keep, heads, kv_heads, rows, cols)
     q = query.unflatten(1, (kv_heads, group))  # (B, G, r, T, D): query head g*r + i reads key head g
-    k = key.float().transpose(-1, -2).unsqueeze(2)  # (B, G, 1, D, S)
+    k = key.float().transpose(-1, -2)  # (B, G, D, S), shared by the group's r query heads without a copy
     offset = cols - rows
     block = max(1, chunk_elements // max(1, batch * heads * cols))
     for start in range(0, rows, block):
@@ -89,7 +89,9 @@ def max_attention_logits(
         seen = min(cols, offset + stop) if causal else cols  # the keys any row of this block may see
         if seen <= 0:
             continue
-        logits = q[:, :, :, start:stop].float() @ k[..., :seen]  # (B, G, r, rows, seen)
+        rows_here = stop - start
+        q_block = q[:, :, :, start:stop].float().reshape(batch, kv_heads, group * rows_here, q.shape[-1])
+        logits = (q_block @ k[..., :seen]).view(batch, kv_heads, group, rows_here, seen)
         if causal:
             row_pos = torch.arange(start + offset, stop + offset, device=query.device).unsqueeze(1)
             hidden = torch.arange(seen, device=query.device).unsqueeze(0) > row_pos
