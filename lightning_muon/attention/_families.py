@@ -12,10 +12,10 @@ Families, tried in this order on every module:
   ``c_attn`` ``Conv1D`` (``in x out``): every transformers 5 attention calls its attention function through
   ``ALL_ATTENTION_FUNCTIONS.get_interface(...)`` with the module, the post-RoPE q and k, the mask and its
   ``scaling``. While any transformers module is measured, that one lookup returns the function wrapped: the
-  wrapper hands q and k to the module's recorder and calls the function unchanged. This catches eager, SDPA,
-  flash and flex alike, needs no copy of any model's RoPE or norm code, and is undone when the last meter is
+  wrapper hands q and k to the module's recorder and calls the function unchanged. This catches eager, SDPA
+  and flash alike, needs no copy of any model's RoPE or norm code, and is undone when the last meter is
   removed. A transformers attention that does not go through it is caught by the meter's check that every
-  found module reported q and k.
+  found module reported q and k. Flex attention (a BlockMask, not a mask tensor) is refused.
 
 A module whose class name says attention (``...Attention``, ``...Attn``) that none of these recognise, and that
 holds no recognised attention itself, is refused by name, with the adapter as the fix.
@@ -87,6 +87,8 @@ def keep_from_sdpa_mask(mask: Tensor | None) -> Tensor | None:
         return None
     if mask.dtype == torch.bool:
         return mask
+    if not mask.is_floating_point():
+        return mask != 0
     return mask > torch.finfo(mask.dtype).min / 2
 
 
@@ -118,10 +120,15 @@ def _measured(function: Callable[..., Any]) -> Callable[..., Any]:
             is_causal = kwargs.get("is_causal")
             if is_causal is None:
                 is_causal = getattr(module, "is_causal", True)
-            # transformers' SDPA rule: no mask means causal for a causal module, when there is more than one query.
-            causal = mask is None and bool(is_causal) and query.shape[2] > 1
             scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-            recorder(query, key, scale, causal, keep_from_sdpa_mask(mask))
+            if mask is not None and mask.dim() == 2:
+                # flash attention's (batch, S) padding mask (1 = attend); the kernel itself applies causality.
+                keep = mask.bool()[:, None, None, :]
+                recorder(query, key, scale, bool(is_causal) and query.shape[2] > 1, keep)
+            else:
+                # transformers' SDPA rule: no mask means causal for a causal module, with more than one query.
+                causal = mask is None and bool(is_causal) and query.shape[2] > 1
+                recorder(query, key, scale, causal, keep_from_sdpa_mask(mask))
         return function(module, query, key, *args, **kwargs)
 
     wrappers[function] = attention
@@ -160,10 +167,20 @@ def _from_transformers(module: nn.Module) -> bool:
     return type(module).__module__.startswith("transformers.")
 
 
+def _check_transformers_dispatch(name: str, module: nn.Module) -> None:
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if isinstance(implementation, str) and "flex" in implementation:
+        raise UnsupportedAttentionError(
+            f"{name} ({type(module).__name__}) runs flex attention, whose BlockMask cannot be read as a mask here; "
+            "use attn_implementation='sdpa', 'eager' or a flash attention"
+        )
+
+
 def _transformers_layout(name: str, module: nn.Module) -> QKLayout | None:
     q_proj, k_proj = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
     if not (isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear)):
         return None
+    _check_transformers_dispatch(name, module)
     head_dim = getattr(module, "head_dim", None)
     config = getattr(module, "config", None)
     if not isinstance(head_dim, int) or head_dim < 1:
@@ -190,6 +207,7 @@ def _gpt2_layout(name: str, module: nn.Module) -> QKLayout | None:
     c_attn = getattr(module, "c_attn", None)
     if c_attn is None or type(c_attn).__name__ != "Conv1D":
         return None
+    _check_transformers_dispatch(name, module)
     config = getattr(module, "config", None)
     if getattr(module, "reorder_and_upcast_attn", False) and getattr(config, "_attn_implementation", None) == "eager":
         raise UnsupportedAttentionError(

@@ -216,3 +216,35 @@ def test_one_meter_per_module_at_a_time():
             QKClipper(model, tau=None)
         assert model.blocks[0] not in RECORDERS  # the failed clipper took back what it had installed
     QKClipper(model, tau=None).remove()  # free again once the first is removed
+
+
+def test_flash_style_padding_masks_are_read_as_batch_by_key():
+    """transformers' flash attention gets a (batch, S) 0/1 padding mask and applies causality itself."""
+    from lightning_muon.attention._families import _measured
+
+    seen = []
+
+    class Causal(nn.Module):
+        is_causal = True
+
+    module = Causal()
+    from lightning_muon.attention.layout import RECORDERS
+
+    RECORDERS[module] = lambda q, k, scale, causal, keep: seen.append((scale, causal, keep))
+    try:
+        q, k = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
+        padding = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+        _measured(lambda *a, **kw: None)(module, q, k, k, padding, scaling=0.5)
+    finally:
+        del RECORDERS[module]
+    ((scale, causal, keep),) = seen
+    assert scale == 0.5 and causal and keep.shape == (2, 1, 1, 5)
+    assert keep[1, 0, 0].tolist() == [False, False, True, True, True]
+
+
+def test_flex_attention_is_refused_at_construction():
+    model = qk_models.llama("sdpa")
+    for layer in model.model.layers:
+        layer.self_attn.config._attn_implementation = "flex_attention"
+    with pytest.raises(UnsupportedAttentionError, match=r"model.layers.0.self_attn \(LlamaAttention\) runs flex"):
+        QKClipper(model, tau=None)
