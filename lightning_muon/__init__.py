@@ -5,7 +5,7 @@ starting with ``_``, and the subpackages' internals) may change between releases
 
 Names load on first use, so ``from lightning_muon import Muon`` (or ``import
 lightning_muon.optim``, or ``MuonWithAdamW``) needs torch only: Lightning is imported
-by the names that need it (`MuonMixin`, `MuonMonitor`, `WallClock`).
+by the names that need it (`MuonMixin`, `MuonMonitor`, `QKClip`, `WallClock`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_muon.callbacks import MuonMonitor, WallClock
+    from lightning_muon.callbacks import MuonMonitor, QKClip, WallClock
     from lightning_muon.combined import MuonWithAdamW
     from lightning_muon.lightning import MuonMixin
     from lightning_muon.optim import (
@@ -34,6 +34,7 @@ _EXPORTS = {
     "MuonMonitor": "lightning_muon.callbacks",
     "MuonWithAdamW": "lightning_muon.combined",
     "ParamDiagnostics": "lightning_muon.optim",
+    "QKClip": "lightning_muon.callbacks",
     "Routing": "lightning_muon.routing",
     "WallClock": "lightning_muon.callbacks",
     "WarmupCosine": "lightning_muon.optim",
@@ -49,6 +50,7 @@ __all__ = [
     "MuonMonitor",
     "MuonWithAdamW",
     "ParamDiagnostics",
+    "QKClip",
     "Routing",
     "WallClock",
     "WarmupCosine",

@@ -27,6 +27,7 @@ SOURCES = {"lightning_muon": PACKAGE, "lightning_muon.examples": ROOT / "example
 LAYERS = {
     "lightning_muon.optim": 0,
     "lightning_muon.routing": 0,
+    "lightning_muon.attention": 0,  # QK-Clip in plain PyTorch (it reads optim's DTensor check)
     "lightning_muon.combined": 1,  # MuonWithAdamW: routes a model, delegates to Muon and torch's AdamW
     "lightning_muon.lightning": 2,
     "lightning_muon.callbacks": 3,
@@ -35,7 +36,7 @@ LAYERS = {
     "lightning_muon.examples": 6,  # models and data for the shipped configs: they import the public API
 }
 #: The layers that import no Lightning: plain-PyTorch users (and transformers' Trainer) import them.
-TORCH_ONLY = ("lightning_muon.optim", "lightning_muon.routing", "lightning_muon.combined")
+TORCH_ONLY = ("lightning_muon.optim", "lightning_muon.routing", "lightning_muon.combined", "lightning_muon.attention")
 COMPAT = "lightning_muon.lightning._compat"
 
 
@@ -210,7 +211,7 @@ def test_optim_routing_and_combined_import_no_lightning():
             assert not [t for t in targets if t.split(".")[0] in HEAVY], f"{name}:{node.lineno} imports {targets}"
     code = (
         "import sys\n"
-        "import lightning_muon.optim, lightning_muon.routing, lightning_muon.combined\n"
+        "import lightning_muon.optim, lightning_muon.routing, lightning_muon.combined, lightning_muon.attention\n"
         "from lightning_muon import Muon, MuonWithAdamW, route_parameters, orthogonality_error\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))\n"
     )
@@ -222,7 +223,8 @@ def test_the_public_api_is_the_top_level():
     import lightning_muon
 
     assert sorted(lightning_muon.__all__) == [
-        "Muon", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics", "Routing", "WallClock", "WarmupCosine",
+        "Muon", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics", "QKClip", "Routing", "WallClock",
+        "WarmupCosine",
         "adjust_lr", "orthogonality_error", "route_parameters", "zeropower_via_newtonschulz",
     ]
     for name in lightning_muon.__all__:
