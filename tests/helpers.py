@@ -1,5 +1,6 @@
-"""Pieces several test modules share: a quiet test Trainer, the metrics-CSV reader, and the small sine-regression
-network the distributed tests (and ``fsdp2_run.py``, a subprocess script) train on several ranks.
+"""Pieces several test modules share: a quiet test Trainer, the metrics-CSV reader, the small sine-regression
+`Regression` module (and its `MuonRegression` twin) most Trainer tests fit, and the network the distributed tests
+(and ``fsdp2_run.py``, a subprocess script) train on several ranks.
 
 Importable as ``helpers``: ``tests/`` is on ``sys.path`` through pytest's ``pythonpath`` setting, and
 ``python tests/fsdp2_run.py`` has its own directory there anyway. Not a test module: pytest collects nothing here.
@@ -55,7 +56,7 @@ def read_metrics(directory: Path | str) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-# ------------------------------------------------------------------ the distributed tests' network
+# ------------------------------------------------------------------ the toy models
 
 
 def sine_regression_loader(trainer: L.Trainer, samples: int, batch_size: int) -> DataLoader:
@@ -67,6 +68,70 @@ def sine_regression_loader(trainer: L.Trainer, samples: int, batch_size: int) ->
     world, rank = trainer.world_size, trainer.global_rank
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
     return DataLoader(data, batch_size=batch_size, sampler=sampler)
+
+
+class Regression(L.LightningModule):
+    """The tests' toy module: ``8 -> widths[0] -> widths[1] -> 1`` with Tanh, the same weights every time (built
+    under ``torch.manual_seed(seed)`` without touching the global generator), on ``samples`` sine-regression
+    samples in batches of ``batch_size`` (by default 16 in batches of 4: 4 batches an epoch). Logs ``train_loss``
+    each step.
+
+    Under `MuonMixin`: the hidden matrices ``net.0.weight`` (16x8) and ``net.2.weight`` (24x16: two shapes, so every
+    lr rule tells them apart) on Muon; the head ``net.4.weight`` and the three biases on AdamW, 6 tensors in all.
+    ``lr`` is there for ``Tuner.lr_find``, which needs an attribute to name, and for `PlainRegression`.
+    """
+
+    def __init__(
+        self, batch_size: int = 4, samples: int = 16, widths: tuple[int, int] = (16, 24), seed: int = 0,
+        lr: float = 1e-2,
+    ) -> None:
+        super().__init__()
+        self.batch_size, self.samples, self.lr = batch_size, samples, lr
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            self.net = nn.Sequential(
+                nn.Linear(8, widths[0]), nn.Tanh(), nn.Linear(widths[0], widths[1]), nn.Tanh(), nn.Linear(widths[1], 1)
+            )
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = (t.to(self.dtype) for t in batch)
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def train_dataloader(self):
+        return sine_regression_loader(self.trainer, samples=self.samples, batch_size=self.batch_size)
+
+
+class MuonRegression(MuonMixin, Regression):
+    pass
+
+
+#: Where `MuonRegression` routes its parameters, in the order the optimizers hold them.
+MUON_NAMES = ["net.0.weight", "net.2.weight"]
+ADAMW_NAMES = ["net.4.weight", "net.4.bias", "net.0.bias", "net.2.bias"]
+
+#: The AdamW that `PlainRegression` builds, as a mixin factory: ``MuonRegression(muon=None, adamw=ADAMW)`` is the
+#: same optimizer (at `Regression`'s default lr, 1e-2).
+ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+class PlainRegression(Regression):
+    """`Regression` under Lightning's automatic optimization: one fused `ADAMW` at ``lr`` (3e-4 is the mixin's
+    ``muon=None`` default), with ``scheduler(optimizer)`` as its lr scheduler config when given."""
+
+    def __init__(self, scheduler: Any = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.scheduler = scheduler
+
+    def configure_optimizers(self):
+        optimizer = ADAMW(self.parameters(), lr=self.lr, fused=True)
+        if self.scheduler is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": self.scheduler(optimizer)}
 
 
 class Net(L.LightningModule):
@@ -95,6 +160,52 @@ class Net(L.LightningModule):
 
 class MuonNet(MuonMixin, Net):
     pass
+
+
+# ------------------------------------------------------------------ reading a fit
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every parameter, by name."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two snapshots are bit for bit equal."""
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def raw_optimizers(model: L.LightningModule) -> list[torch.optim.Optimizer]:
+    """The module's optimizers without Lightning's wrappers (``[muon, adamw]`` under MuonMixin)."""
+    opts = model.optimizers()
+    opts = opts if isinstance(opts, list) else [opts]
+    return [o.optimizer for o in opts]
+
+
+class LearningRates(L.Callback):
+    """The first optimizer's first lr at every batch start (what that batch's update uses)."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+class Recorder(L.Callback):
+    """Counts batches and records the loss each one returned."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches += 1
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+
+
+# ------------------------------------------------------------------ the distributed tests
 
 
 def muon_factory(split_ns: bool = True) -> functools.partial:

@@ -230,7 +230,7 @@ def _agreement_worker(rank: int, init_file: str, out: str) -> None:
         p.grad = torch.ones_like(p)
     params[0].grad = torch.ones_like(params[0]) if rank == 0 else None  # missing on rank 1 only
     optimizer.step()
-    strategy = optimizer._choice.chosen
+    strategy = optimizer._choice.chosen  # private: the chosen strategy and its `agree` have no public read-out
     flags = strategy.agree([rank == 0, rank == 1, False], torch.device("cpu"))
     torch.save({"reduced": reduced, "flags": flags, "sent": optimizer.last_exchange_bytes, "path": strategy.description,
                 "buffer": optimizer.state[params[0]]["momentum_buffer"].clone()}, os.path.join(out, f"rank{rank}.pt"))
@@ -274,7 +274,7 @@ def test_a_muon_stepped_before_init_process_group_chooses_its_strategy_again_aft
     optimizer = Muon([p])
     p.grad = torch.ones_like(p)
     optimizer.step()
-    before = optimizer._choice.chosen
+    before = optimizer._choice.chosen  # private: which strategy object is in use has no public read-out
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         optimizer.step()
@@ -328,6 +328,7 @@ def _where_worker(rank: int, init_file: str, out: str) -> None:
         return "accepted"
 
     results: dict = {}
+    # `_choice.chosen.description`: the path line is logged from rank zero only, so each rank reads it here.
     early, early_params = fresh()
     results["before"] = stepped(early, early_params)._choice.chosen.description
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -466,7 +467,7 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
                     p.grad = None if unused else place(g)
                 optimizer.record_diagnostics()
                 optimizer.step()
-                strategy = optimizer._choice.chosen
+                strategy = optimizer._choice.chosen  # private: exchange rounds and buffers have no public read-out
                 if isinstance(strategy, _strategies.ShardedStep):
                     exchanges.append((strategy.rounds, strategy.largest_buffer, strategy.buffers.kept_bytes))
         results[name] = {

@@ -4,7 +4,7 @@ Manual optimization leaves the update to the module, but a correct update
 still has to speak to the loop: whether this micro-batch ends an update, the
 hooks ``optimizer.step()`` would run, the ``global_step`` count, the step the
 loggers use. Lightning has no public API for these, so this module is the only
-place that touches its internals; ``tests/test_compat.py`` checks each one
+place that touches its internals; ``tests/lightning/test_compat.py`` checks each one
 against the installed Lightning and fails naming the wrapper to update.
 No other module of the package may use a private Lightning name.
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from torch.optim import Optimizer
 
-#: The Lightning releases these wrappers were checked against (``tests/test_compat.py``).
+#: The Lightning releases these wrappers were checked against (``tests/lightning/test_compat.py``).
 CHECKED_LIGHTNING = ("2.5", "2.6")
 #: The two packages Lightning ships as: the unified ``lightning`` one and the standalone ``pytorch_lightning``.
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
@@ -143,7 +143,7 @@ def take_trainer_flags(trainer: pl.Trainer) -> TrainerFlags:
 
     Lightning refuses these for manual optimization in ``_verify_loop_configurations`` (and the callback in
     its ``on_train_start``); ``Trainer._run`` calls the module's ``configure_callbacks`` just before that check,
-    which is where MuonMixin calls this. ``tests/test_compat.py`` pins that order through a real fit.
+    which is where MuonMixin calls this. ``tests/lightning/test_compat.py`` pins that order through a real fit.
     """
     algorithm = trainer.gradient_clip_algorithm
     flags = TrainerFlags(

@@ -16,11 +16,11 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.trainer import call
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_muon import MuonMixin
 from lightning_muon.commands.lightning_cli import instantiate
 from lightning_muon.lightning import _compat
+
+from helpers import MuonRegression
 
 FIX = "Lightning {} changed this private API: update lightning_muon/lightning/_compat.py ({})"
 
@@ -51,22 +51,8 @@ def test_the_checked_lightning_release_is_installed():
     )
 
 
-class Net(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(10, 4, generator=g), torch.randn(10, 1, generator=g)), batch_size=2)
-
-
-class MuonNet(MuonMixin, Net):
-    pass
+#: 10 samples in batches of 2: 5 batches an epoch.
+FIVE_BATCHES = {"samples": 10, "batch_size": 2}
 
 
 class Record(Callback):
@@ -96,7 +82,7 @@ def test_the_wrappers_drive_a_real_fit():
         accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, log_every_n_steps=3, callbacks=[record],
     )
-    trainer.fit(MuonNet(accumulate_grad_batches=2))
+    trainer.fit(MuonRegression(**FIVE_BATCHES, accumulate_grad_batches=2))
     assert record.ends_update == [False, True, False, True, True], FIX.format(L.__version__, "ends_update")
     assert record.ends_epoch == [False, False, False, False, True], FIX.format(L.__version__, "ends_epoch")
     assert record.logger_steps == [0, 0, 1, 1, 2], FIX.format(L.__version__, "logger_step")
@@ -112,12 +98,12 @@ def test_the_wrappers_drive_a_real_fit():
 
 
 def test_cli_class_path_is_what_lightning_cli_stores(tmp_path):
-    cli = instantiate(["--model", "test_compat.MuonNet", "--trainer.logger=false",
+    cli = instantiate(["--model", "helpers.MuonRegression", "--trainer.logger=false",
                        f"--trainer.default_root_dir={tmp_path}"])
-    assert _compat.cli_class_path(cli.model.hparams) == "test_compat.MuonNet", FIX.format(
+    assert _compat.cli_class_path(cli.model.hparams) == "helpers.MuonRegression", FIX.format(
         L.__version__, "cli_class_path"
     )
-    assert _compat.cli_class_path(MuonNet().hparams) is None
+    assert _compat.cli_class_path(MuonRegression().hparams) is None
 
 
 def test_the_trainer_flags_are_taken_before_lightning_checks_them(tmp_path):
@@ -128,7 +114,7 @@ def test_the_trainer_flags_are_taken_before_lightning_checks_them(tmp_path):
         accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, gradient_clip_val=0.5, gradient_clip_algorithm="value", callbacks=[schedule],
     )
-    trainer.fit(MuonNet())  # Lightning would say "not supported for manual optimization"
+    trainer.fit(MuonRegression(**FIVE_BATCHES))  # Lightning would say "not supported for manual optimization"
     assert trainer.global_step == 3, FIX.format(L.__version__, "take_trainer_flags")
     # restore_trainer_flags: the Trainer reads as it was built.
     assert (trainer.gradient_clip_val, trainer.gradient_clip_algorithm) == (0.5, "value")
@@ -150,7 +136,7 @@ def test_optimizers_and_schedulers_reads_configure_optimizers_as_lightning_does(
 
 
 def test_attached_trainer_is_the_fitting_trainer_and_none_outside_a_fit():
-    model = MuonNet()
+    model = MuonRegression()
     assert _compat.attached_trainer(model) is None, FIX.format(L.__version__, "attached_trainer")
     seen = []
 

@@ -90,6 +90,8 @@ def _one_step_by_hand(
 class _NSSpy:
     """Wraps Muon's zeropower_via_newtonschulz and records the shape of each call."""
 
+    # A private spy on purpose: how matrices are batched into calls has no public read-out (the results are equal).
+
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.shapes: list[tuple[int, ...]] = []
         real = _update.zeropower_via_newtonschulz
@@ -179,7 +181,7 @@ GRAM_SHAPES = [(64, 16), (16, 64), (64, 16), (8, 8, 3, 3), (20, 20)]
 
 def test_rectangular_matrices_go_through_gram_newton_schulz_unless_on_the_exact_path(monkeypatch):
     calls: list[tuple[int, ...]] = []
-    real = _update.gram_newton_schulz
+    real = _update.gram_newton_schulz  # private spy: which iteration runs has no public read-out (same result)
 
     def spy(G: torch.Tensor, **kwargs):
         calls.append(tuple(G.shape))
@@ -493,7 +495,7 @@ def test_no_diagnostics_unless_requested(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("record ran without a request")
 
-    monkeypatch.setattr(_update, "record", boom)
+    monkeypatch.setattr(_update, "record", boom)  # private spy: only it can see that no diagnostic work is done
     opt = Muon(params, lr=LR)
     _train(opt, params, _grads(SHAPES, 3))
     assert opt.diagnostics == []
@@ -651,6 +653,7 @@ def test_a_copy_keeps_the_settings_and_chooses_its_own_strategy():
     optimizer = Muon(params, lr=LR, split_ns=False, exchange_round_bytes=1 << 20)
     optimizer.record_diagnostics()
     _train(optimizer, params, _grads(SHAPES, 1))
+    # `_choice`: the strategy choice has no public read-out (no public API change in this step).
     assert optimizer._choice.chosen is not None and optimizer.diagnostics
     copied = copy.deepcopy(optimizer)
     assert copied.split_ns is False and copied._choice.round_bytes == 1 << 20

@@ -1,11 +1,14 @@
-"""The command: every shipped config through the real entry point, inspect, help, hand-over, config errors."""
+"""The command: every shipped config through the real entry point, inspect, help, hand-over, config errors, and the
+main job (``gpt_muon.yaml``) without a warning from lightning_muon."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import yaml
 from lightning_muon.commands.cli import main
 from lightning_muon.commands.config_files import SHIPPED, config_chain, expand_configs, shipped_configs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = shipped_configs()
 DISTRIBUTED = {"gpt_muon_ddp.yaml", "gpt_muon_fsdp2.yaml"}
 FAST = ["--trainer.fast_dev_run", "2", "--trainer.enable_progress_bar", "false"]
@@ -395,3 +398,28 @@ def test_an_example_without_its_extra_says_which_to_install(monkeypatch):
     with pytest.raises(ModuleNotFoundError, match=r'needs scikit-learn, which is not installed: pip install '
                                                   r'"lightning-muon\[examples\]"'):
         quickstart.digits()
+
+
+def test_the_main_job_prints_no_warning_from_lightning_muon(tmp_path, caplog):
+    """``lightning-muon fit --config gpt_muon.yaml``, shortened: its classes, callbacks and settings as shipped."""
+    import lightning_muon
+    from lightning_muon.commands.lightning_cli import instantiate
+
+    package = Path(lightning_muon.__file__).parent
+    candidates = (package / "configs" / "gpt_muon.yaml", package.parent / "configs" / "gpt_muon.yaml")
+    config = next(p for p in candidates if p.exists())  # the packaged config, or where it was before
+    cli = instantiate([
+        "--config", str(config), "--trainer.max_steps=3", "--trainer.val_check_interval=3",
+        "--trainer.limit_val_batches=1", f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false", "--model.init_args.block_size=16",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.init_args.n_layer=1", "--model.init_args.n_embd=16",
+        "--data.init_args.block_size=16", "--data.init_args.batch_size=4", "--data.init_args.max_bytes=60000",
+        f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+    ])
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    ours = [f"{w.filename}: {w.message}" for w in caught if f"{package.name}/" in w.filename.replace("\\", "/")]
+    assert ours == []
+    assert cli.trainer.global_step == 3
+    assert any("GPT.configure_optimizers is replaced by MuonMixin's" in r.getMessage() for r in caplog.records)

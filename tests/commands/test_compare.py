@@ -1,18 +1,13 @@
-"""``lightning-muon compare``: reading logs, the table, fit arguments, WallClock, one real run of the command."""
+"""``lightning-muon compare``: reading logs, the table, fit arguments, one real run of the command."""
 
 from __future__ import annotations
 
 import csv
 from pathlib import Path
 
-import lightning as L
 import pytest
 import yaml
-from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_muon.callbacks.clock import WallClock, count_tokens
 from lightning_muon.commands.cli import main
 from lightning_muon.commands.compare import (
     CLOCK,
@@ -207,42 +202,6 @@ def test_fit_arguments_resolve_with_every_shipped_config(config, tmp_path, monke
     assert logger["class_path"] == "lightning.pytorch.loggers.CSVLogger"
     assert (logger["init_args"]["save_dir"], logger["init_args"]["version"]) == (str(tmp_path), config.stem)
     assert printed["trainer"]["enable_checkpointing"] is False
-
-
-# ------------------------------------------------------------------------------------------------ WallClock
-
-
-def test_count_tokens():
-    import torch
-
-    assert count_tokens((torch.zeros(4, 32, dtype=torch.long), torch.zeros(4, 32, dtype=torch.long))) == 128
-    assert count_tokens({"x": torch.zeros(4, 3, 8, 8), "y": torch.zeros(4, dtype=torch.long)}) is None
-    assert count_tokens(torch.zeros(4, dtype=torch.long)) is None
-
-
-def test_wall_clock_logs_time_and_samples(tmp_path):
-    trainer = L.Trainer(
-        max_steps=6, log_every_n_steps=2, val_check_interval=3, limit_val_batches=1, accelerator="cpu",
-        logger=CSVLogger(tmp_path, name="", version="run"), callbacks=[WallClock()],
-        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
-    )
-    trainer.fit(BoringModel())
-    series = read_metrics(tmp_path / "run" / "metrics.csv")
-    # every 2 steps (1, 3, 5), before each validation (2, 5) and at the end (5 again)
-    assert [s for s, _ in series["time/samples"]] == [1, 2, 3, 5, 5]
-    assert [v for _, v in series["time/samples"]] == [2.0, 3.0, 4.0, 6.0, 6.0]  # BoringModel: one sample a batch
-    elapsed = [v for _, v in series["time/elapsed_s"]]
-    train = [v for _, v in series["time/train_s"]]
-    assert elapsed == sorted(elapsed) and train == sorted(train)
-    assert all(t <= e for t, e in zip(train, elapsed)) and train[-1] < elapsed[-1]  # validation left out
-    assert "time/tokens" not in series  # float inputs: no tokens
-
-
-def test_wall_clock_needs_a_logger():
-    trainer = L.Trainer(max_steps=1, logger=False, callbacks=[WallClock()], enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False)
-    with pytest.raises(MisconfigurationException, match="Cannot use WallClock with a Trainer that has no logger"):
-        trainer.fit(BoringModel())
 
 
 # --------------------------------------------------------------------------------------- the real command
