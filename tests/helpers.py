@@ -207,6 +207,12 @@ class Recorder(L.Callback):
 
 # ------------------------------------------------------------------ the distributed tests
 
+#: How the tests start their ranks: forked from the test process, which has torch, Lightning and the test module
+#: loaded already. A spawned rank imports them again (about 4 s of CPU each, two ranks a fit); what the tests
+#: check (gloo collectives, DDP and FSDP2 maths, a hung rank's timeout) does not depend on how a rank starts.
+#: The shipped DDP and FSDP2 configs start theirs as Lightning does, through the real command (tests/commands).
+START_METHOD = "fork"
+
 
 def muon_factory(split_ns: bool = True) -> functools.partial:
     return functools.partial(Muon, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32, split_ns=split_ns)

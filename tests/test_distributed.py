@@ -33,7 +33,15 @@ from lightning_muon.optim import _strategies
 from lightning_muon.optim._dtensor import is_dtensor
 from lightning_muon.optim.newton_schulz import zeropower_via_newtonschulz
 
-from helpers import EndProcessGroup, MuonNet, SaveCheckpointAtEnd, SaveEveryRank, make_trainer, muon_factory
+from helpers import (
+    START_METHOD,
+    EndProcessGroup,
+    MuonNet,
+    SaveCheckpointAtEnd,
+    SaveEveryRank,
+    make_trainer,
+    muon_factory,
+)
 
 #: 2 ranks x batch 4 and 1 process x batch 8 differ only in float32 summation order; fp32 Newton-Schulz
 #: keeps 10 updates of that within this.
@@ -45,7 +53,7 @@ def train(tmp_path: Path, devices: int, split_ns: bool = True, unused_every: int
     L.seed_everything(0)
     model = MuonNet(batch_size=8 // devices, unused_every=unused_every, muon=muon,
                     muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
-    kwargs = {"strategy": DDPStrategy(start_method="spawn", process_group_backend="gloo",
+    kwargs = {"strategy": DDPStrategy(start_method=START_METHOD, process_group_backend="gloo",
                                       find_unused_parameters=True)} if devices > 1 else {}
     tmp_path.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
@@ -112,7 +120,9 @@ def _agreement_worker(rank: int, init_file: str, out: str) -> None:
 
 @pytest.mark.distributed
 def test_a_device_only_backend_agrees_on_a_gloo_group_of_cpu_tensors(tmp_path):
-    mp.spawn(_agreement_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    mp.start_processes(
+        _agreement_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method=START_METHOD
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
         # Two agreements (the step's and the direct call), each a CPU tensor on a group of its own.
@@ -248,7 +258,9 @@ def _where_worker(rank: int, init_file: str, out: str) -> None:
 
 @pytest.mark.distributed
 def test_an_explicit_process_group_or_device_mesh_is_where_the_work_runs(tmp_path):
-    mp.spawn(_where_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    mp.start_processes(
+        _where_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method=START_METHOD
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     alone = "Newton-Schulz runs on this process alone"
     for r in ranks:
@@ -381,7 +393,10 @@ def test_sharded_parameters_are_orthogonalised_whole(tmp_path, case):
     shard_dim, split_ns, fp32_shapes, bf16_shapes = SHARDED_CASES[case]
     shape = MESHES.get(case, (2,))
     world, replicas = math.prod(shape), shape[0] if len(shape) == 2 else 1
-    mp.spawn(_sharded_worker, args=(str(tmp_path / "init"), case, str(tmp_path)), nprocs=world, join=True)
+    mp.start_processes(
+        _sharded_worker, args=(str(tmp_path / "init"), case, str(tmp_path)), nprocs=world, join=True,
+        start_method=START_METHOD,
+    )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     owners = shard_dim == 0 and split_ns
     pattern, fallback = SHARDED_PATHS[case]
@@ -505,7 +520,7 @@ def test_accumulation_syncs_gradients_only_on_the_last_micro_batch(tmp_path):
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
-        strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo", find_unused_parameters=True),
+        strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo", find_unused_parameters=True),
         callbacks=[SaveEveryRank(out), CountGradientSyncs(out), EndProcessGroup()],
     )
     trainer.fit(model)
@@ -528,7 +543,7 @@ def test_ddp_resume_from_an_epoch_boundary_equals_the_uninterrupted_run(tmp_path
         trainer = L.Trainer(
             accelerator="cpu", devices=2, max_epochs=epochs, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-            strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo", find_unused_parameters=True),
+            strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo", find_unused_parameters=True),
         )
         trainer.fit(model, ckpt_path=ckpt_path)
 
@@ -554,7 +569,7 @@ def test_none_loss_under_ddp_is_refused_rather_than_hanging(tmp_path):
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
-        strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo", find_unused_parameters=True),
+        strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo", find_unused_parameters=True),
     )
     # The spawn launcher re-raises the rank's MisconfigurationException, its traceback in the message.
     with pytest.raises(ProcessRaisedException, match=r"Return `loss \* 0` to skip a batch") as raised:
@@ -629,7 +644,7 @@ class HangingRank(MuonNet):
 @pytest.mark.slow
 def test_a_short_process_group_timeout_ends_a_hung_rank_fit(tmp_path):
     """The README's advice: the strategy's ``timeout`` bounds how long the other ranks wait (default 30 min)."""
-    strategy = DDPStrategy(start_method="spawn", process_group_backend="gloo", find_unused_parameters=True,
+    strategy = DDPStrategy(start_method=START_METHOD, process_group_backend="gloo", find_unused_parameters=True,
                            timeout=datetime.timedelta(seconds=5))
     start = time.perf_counter()
     # gloo words the same timeout two ways, depending on where the waiting rank stands when it fires

@@ -149,6 +149,14 @@ def replaced_message(module: LightningModule, owner: type, used: list[Any]) -> t
     lines = [f"{head}: it would have built {' and '.join(_describe(o) for o in theirs) or 'no optimizer'}; "
              f"MuonMixin trains with {ours}."]
     ignored = []
+    parent_lr = float(theirs[0].defaults["lr"]) if theirs and "lr" in theirs[0].defaults else None
+    used_lrs = {float(g["lr"]) for o in used for g in getattr(o, "optimizer", o).param_groups}
+    if parent_lr is not None and parent_lr not in used_lrs:
+        ignored.append(
+            f"its lr ({parent_lr:g}) is not used: give the lrs to train at (muon=..., adamw=...), or parent_lr=True "
+            "to train at the parent's lr and weight decay (AdamW at them, Muon at them with "
+            "adjust_lr_fn='match_rms_adamw')"
+        )
     if schedulers:
         ignored.append(
             f"its scheduler{'s' * (len(schedulers) > 1)} ({', '.join(type(s).__name__ for s in schedulers)}) "

@@ -19,7 +19,15 @@ from torch import nn
 from lightning_muon import Muon, MuonMonitor
 from lightning_muon.callbacks.monitor import lr_keys
 
-from helpers import EndProcessGroup, MuonRegression, PlainRegression, Regression, make_trainer, read_metrics
+from helpers import (
+    START_METHOD,
+    EndProcessGroup,
+    MuonRegression,
+    PlainRegression,
+    Regression,
+    make_trainer,
+    read_metrics,
+)
 
 
 class PlainMuon(Regression):
@@ -292,7 +300,7 @@ def test_two_process_ddp_logs_the_same_error_as_one_process(tmp_path):
         MuonRegression(muon=muon, batch_size=4),
         MuonMonitor(log_every_n_steps=2),
         max_steps=4,
-        strategy=DDPStrategy(start_method="spawn", process_group_backend="gloo"),
+        strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo"),
         devices=2,
         end_process_group=True,
     )

@@ -161,13 +161,29 @@ class MuonOnlyAnOptimizer(MuonMixin, OnlyAnOptimizer):
 
 
 def test_a_replaced_configure_optimizers_is_told_at_info_when_only_the_optimizer_differs(tmp_path, caplog):
+    """With parent_lr=True the parent's lr is the one trained at: only the optimizer choice differs."""
     with warnings.catch_warnings(), caplog.at_level(logging.INFO):
         warnings.filterwarnings("error", module="lightning_muon")
-        make_trainer(tmp_path, max_epochs=2).fit(MuonOnlyAnOptimizer())
+        make_trainer(tmp_path, max_epochs=2).fit(MuonOnlyAnOptimizer(parent_lr=True))
     told = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
     assert told == [
         "OnlyAnOptimizer.configure_optimizers is replaced by MuonMixin's: it would have built SGD(lr=0.1) on 6 "
-        "tensors; MuonMixin trains with Muon(lr=0.02) on 2 tensors and AdamW(lr=0.0003) on 4 tensors."
+        "tensors; MuonMixin trains with Muon(lr=0.1) on 2 tensors and AdamW(lr=0.1) on 4 tensors."
+    ]
+
+
+LR_IGNORED = ("its lr (0.1) is not used: give the lrs to train at (muon=..., adamw=...), or parent_lr=True to train "
+              "at the parent's lr and weight decay (AdamW at them, Muon at them with adjust_lr_fn='match_rms_adamw')")
+
+
+def test_a_replaced_configure_optimizers_whose_lr_is_not_used_is_a_warning_saying_where_to_change_it(tmp_path):
+    with pytest.warns(UserWarning) as record:
+        make_trainer(tmp_path, max_epochs=1).fit(MuonOnlyAnOptimizer())
+    told = [str(w.message) for w in record if "replaced" in str(w.message)]
+    assert told == [
+        "OnlyAnOptimizer.configure_optimizers is replaced by MuonMixin's: it would have built SGD(lr=0.1) on 6 "
+        f"tensors; MuonMixin trains with Muon(lr=0.02) on 2 tensors and AdamW(lr=0.0003) on 4 tensors. Ignored: "
+        f"{LR_IGNORED}."
     ]
 
 
@@ -178,7 +194,7 @@ def test_a_replaced_configure_optimizers_with_a_scheduler_is_a_warning_naming_it
     assert told == [
         "WithScheduler.configure_optimizers is replaced by MuonMixin's: it would have built SGD(lr=0.1) on 6 "
         "tensors; MuonMixin trains with Muon(lr=0.02) on 2 tensors and AdamW(lr=0.0003) on 4 tensors. Ignored: "
-        "its scheduler (StepLR) will not run: pass lr_scheduler=... to the mixin."
+        f"{LR_IGNORED}; its scheduler (StepLR) will not run: pass lr_scheduler=... to the mixin."
     ]
 
 

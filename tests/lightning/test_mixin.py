@@ -8,8 +8,6 @@ attributes to the module and no more.
 
 from __future__ import annotations
 
-import logging
-import warnings
 from pathlib import Path
 
 import lightning as L
@@ -95,14 +93,15 @@ def test_demo_transformer_trains_with_muon_and_adamw(tmp_path, caplog):
     model = MuonTransformer(vocab_size=256)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     recorder = Recorder()
-    # Its configure_optimizers differs only in the optimizer choice: said at INFO, once, no warning.
-    with warnings.catch_warnings(), caplog.at_level(logging.INFO):
-        warnings.filterwarnings("error", module="lightning_muon")
+    # Its configure_optimizers is replaced, and its lr with it: said once, as a warning saying where to change it.
+    with pytest.warns(UserWarning) as record:
         make_trainer(tmp_path, csv_dir=tmp_path, max_steps=16, callbacks=[recorder]).fit(model)
-    replaced = [r.getMessage() for r in caplog.records if "configure_optimizers is replaced" in r.getMessage()]
+    replaced = [str(w.message) for w in record if "configure_optimizers is replaced" in str(w.message)]
     assert replaced == [
         "LightningTransformer.configure_optimizers is replaced by MuonMixin's: it would have built SGD(lr=0.1) on "
-        "67 tensors; MuonMixin trains with Muon(lr=0.02) on 20 tensors and AdamW(lr=0.0003) on 47 tensors."
+        "67 tensors; MuonMixin trains with Muon(lr=0.02) on 20 tensors and AdamW(lr=0.0003) on 47 tensors. Ignored: "
+        "its lr (0.1) is not used: give the lrs to train at (muon=..., adamw=...), or parent_lr=True to train at the "
+        "parent's lr and weight decay (AdamW at them, Muon at them with adjust_lr_fn='match_rms_adamw')."
     ]
 
     muon, adamw = (o.optimizer for o in model.optimizers())
