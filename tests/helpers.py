@@ -207,11 +207,10 @@ class Recorder(L.Callback):
 
 # ------------------------------------------------------------------ the distributed tests
 
-#: How the tests start their ranks: forked from the test process, which has torch, Lightning and the test module
-#: loaded already. A spawned rank imports them again (about 4 s of CPU each, two ranks a fit); what the tests
-#: check (gloo collectives, DDP and FSDP2 maths, a hung rank's timeout) does not depend on how a rank starts.
-#: The shipped DDP and FSDP2 configs start theirs as Lightning does, through the real command (tests/commands).
-START_METHOD = "fork"
+#: How the tests start their ranks. Spawned, not forked: a rank forked from a test process whose torch has run
+#: OpenMP threads can hang in its first parallel op (seen: a forked rank stuck in Linear.forward), although fork
+#: would save each rank re-importing torch and Lightning (about 4 s of CPU).
+START_METHOD = "spawn"
 
 
 def muon_factory(split_ns: bool = True) -> functools.partial:
