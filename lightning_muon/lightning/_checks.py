@@ -89,14 +89,14 @@ def parent_defining(own_classes: Sequence[type], hook: str) -> type | None:
     return next((k for k in own_classes if hook in vars(k)), None)
 
 
-def tell_replaced(module: LightningModule, own_classes: Sequence[type]) -> None:
+def tell_replaced(module: LightningModule, own_classes: Sequence[type], lrs_given: bool) -> None:
     """Say what the parent's ``configure_optimizers`` would have built and what the mixin trains with: INFO when
-    only the optimizer choice differs, a warning when schedulers or per-group settings of theirs are now
-    ignored."""
+    only the optimizer choice differs (or its lr gives way to lrs the user chose, ``lrs_given``), a warning when
+    its lr, schedulers or per-group settings are dropped without a word from the user."""
     owner = parent_defining(own_classes, "configure_optimizers")
     if owner is None:
         return
-    message, is_warning = replaced_message(module, owner, list(module.trainer.optimizers))
+    message, is_warning = replaced_message(module, owner, list(module.trainer.optimizers), lrs_given)
     (rank_zero_warn if is_warning else rank_zero_info)(message)
 
 
@@ -136,9 +136,11 @@ def _per_group_settings(optimizer: Optimizer) -> bool:
     return any(s != settings[0] for s in settings)
 
 
-def replaced_message(module: LightningModule, owner: type, used: list[Any]) -> tuple[str, bool]:
+def replaced_message(
+    module: LightningModule, owner: type, used: list[Any], lrs_given: bool = False
+) -> tuple[str, bool]:
     """The message, and whether it is a warning: ``owner.configure_optimizers`` (the parent's) against the
-    optimizers ``used`` (``trainer.optimizers``)."""
+    optimizers ``used`` (``trainer.optimizers``); ``lrs_given``: the user chose the lrs trained at."""
     head = f"{owner.__name__}.configure_optimizers is replaced by MuonMixin's"
     ours = " and ".join(_describe(getattr(o, "optimizer", o)) for o in used)
     try:
@@ -151,7 +153,9 @@ def replaced_message(module: LightningModule, owner: type, used: list[Any]) -> t
     ignored = []
     parent_lr = float(theirs[0].defaults["lr"]) if theirs and "lr" in theirs[0].defaults else None
     used_lrs = {float(g["lr"]) for o in used for g in getattr(o, "optimizer", o).param_groups}
-    if parent_lr is not None and parent_lr not in used_lrs:
+    if parent_lr is not None and parent_lr not in used_lrs and lrs_given:
+        lines.append(f"Its lr ({parent_lr:g}) gives way to the lrs given to the mixin.")
+    elif parent_lr is not None and parent_lr not in used_lrs:
         ignored.append(
             f"its lr ({parent_lr:g}) is not used: give the lrs to train at (muon=..., adamw=...), or parent_lr=True "
             "to train at the parent's lr and weight decay (AdamW at them, Muon at them with "

@@ -323,6 +323,13 @@ class MuonConfig:
         factory = functools.partial(self.adamw_factory, lr=lr)
         return dataclasses.replace(self, adamw=to_spec(factory), adamw_factory=factory)
 
+    @property
+    def lrs_given(self) -> bool:
+        """Whether the learning rates were chosen (``parent_lr=True``, or a ``muon``/``adamw`` other than the
+        defaults), rather than left at the mixin's defaults."""
+        chosen_muon = self.muon is not None and self.muon != DEFAULT_MUON
+        return self.parent_lr or chosen_muon or self.adamw != DEFAULT_ADAMW
+
     def with_lr(self, lr: float, weight_decay: float) -> MuonConfig:
         """This config's factories with AdamW at ``lr`` and ``weight_decay``, and Muon at the same with
         ``adjust_lr_fn="match_rms_adamw"`` (its update RMS matched to AdamW's, as in Moonlight): ``parent_lr=True``.

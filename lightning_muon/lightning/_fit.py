@@ -85,14 +85,14 @@ class FitState:
             id(c["scheduler"]): (c.pop("monitor"), c.pop("strict", True)) for c in schedulers if "monitor" in c
         }
 
-    def on_fit_start(self, module: LightningModule, own_classes: Sequence[type]) -> None:
+    def on_fit_start(self, module: LightningModule, own_classes: Sequence[type], lrs_given: bool) -> None:
         """Give the monitor-driven schedulers back their metric; say what the parent's ``configure_optimizers``
-        (the first of ``own_classes`` that defines it) would have built."""
+        (the first of ``own_classes`` that defines it) would have built (``lrs_given``: the user chose the lrs)."""
         for config in module.trainer.lr_scheduler_configs:
             monitor = self.monitors.get(id(config.scheduler))
             if monitor is not None:
                 config.reduce_on_plateau, (config.monitor, config.strict) = True, monitor
-        _checks.tell_replaced(module, own_classes)
+        _checks.tell_replaced(module, own_classes, lrs_given)
 
     def on_train_epoch_start(self, trainer: pl.Trainer) -> None:
         """A ``GradientAccumulationScheduler``'s number for this epoch (what the callback itself would set)."""

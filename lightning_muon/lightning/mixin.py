@@ -244,7 +244,7 @@ class MuonMixin(_LightningModuleBase):
         own_classes = _own_classes(type(self))
         _checks.check_fit(self, own_classes)
         if self._muon_fit is not None:
-            self._muon_fit.on_fit_start(self, own_classes)
+            self._muon_fit.on_fit_start(self, own_classes, self._muon_config.lrs_given)
 
     def on_train_epoch_start(self) -> None:
         super().on_train_epoch_start()

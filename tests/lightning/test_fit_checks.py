@@ -172,6 +172,20 @@ def test_a_replaced_configure_optimizers_is_told_at_info_when_only_the_optimizer
     ]
 
 
+def test_a_replaced_lr_the_user_chose_to_replace_is_told_at_info(tmp_path, caplog):
+    """lrs given to the mixin (here AdamW's): the parent's lr gives way to them, which is said, not warned."""
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO):
+        warnings.filterwarnings("error", module="lightning_muon")
+        make_trainer(tmp_path, max_epochs=1).fit(MuonOnlyAnOptimizer(adamw=adamw))
+    told = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
+    assert told == [
+        "OnlyAnOptimizer.configure_optimizers is replaced by MuonMixin's: it would have built SGD(lr=0.1) on 6 "
+        "tensors; MuonMixin trains with Muon(lr=0.02) on 2 tensors and AdamW(lr=0.001) on 4 tensors. Its lr (0.1) "
+        "gives way to the lrs given to the mixin."
+    ]
+
+
 LR_IGNORED = ("its lr (0.1) is not used: give the lrs to train at (muon=..., adamw=...), or parent_lr=True to train "
               "at the parent's lr and weight decay (AdamW at them, Muon at them with adjust_lr_fn='match_rms_adamw')")
 
