@@ -110,7 +110,7 @@ def parent_lr(module: LightningModule, own_classes: Sequence[type]) -> tuple[flo
             "rate from. Leave parent_lr out (the mixin's defaults) or give the lrs: muon=..., adamw=...."
         )
     try:
-        optimizers, _ = _compat.optimizers_and_schedulers(owner.configure_optimizers(module))  # type: ignore[attr-defined]
+        optimizers, _ = _parent_optimizers(module, owner)
     except Exception as error:
         raise MisconfigurationException(
             f"parent_lr=True: {owner.__name__}.configure_optimizers could not be called to read its learning rate "
@@ -118,8 +118,15 @@ def parent_lr(module: LightningModule, own_classes: Sequence[type]) -> tuple[flo
         ) from error
     if not optimizers:
         raise MisconfigurationException(f"parent_lr=True: {owner.__name__}.configure_optimizers builds no optimizer.")
-    defaults = getattr(optimizers[0], "optimizer", optimizers[0]).defaults
+    defaults = optimizers[0].defaults
     return float(defaults["lr"]), float(defaults.get("weight_decay", 0.0))
+
+
+def _parent_optimizers(module: LightningModule, owner: type) -> tuple[list[Optimizer], list[Any]]:
+    """What ``owner.configure_optimizers`` (the parent's) builds for ``module``: its optimizers, unwrapped from
+    Lightning's, and its schedulers."""
+    optimizers, schedulers = _compat.optimizers_and_schedulers(owner.configure_optimizers(module))  # type: ignore[attr-defined]
+    return [getattr(o, "optimizer", o) for o in optimizers], schedulers
 
 
 def _describe(optimizer: Optimizer) -> str:
@@ -144,10 +151,9 @@ def replaced_message(
     head = f"{owner.__name__}.configure_optimizers is replaced by MuonMixin's"
     ours = " and ".join(_describe(getattr(o, "optimizer", o)) for o in used)
     try:
-        theirs, schedulers = _compat.optimizers_and_schedulers(owner.configure_optimizers(module))  # type: ignore[attr-defined]
+        theirs, schedulers = _parent_optimizers(module, owner)
     except Exception as error:  # describing is best-effort: the parent's method may need what the mixin skips
         return f"{head}: it trains with {ours} (the parent's could not be described: {error!r}).", False
-    theirs = [getattr(o, "optimizer", o) for o in theirs]
     lines = [f"{head}: it would have built {' and '.join(_describe(o) for o in theirs) or 'no optimizer'}; "
              f"MuonMixin trains with {ours}."]
     ignored = []

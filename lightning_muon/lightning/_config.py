@@ -324,6 +324,11 @@ class MuonConfig:
         return dataclasses.replace(self, adamw=to_spec(factory), adamw_factory=factory)
 
     @property
+    def muon_enabled(self) -> bool:
+        """Whether a Muon optimizer is configured (``False`` for the ``muon=None`` AdamW baseline)."""
+        return self.muon_factory is not None
+
+    @property
     def lrs_given(self) -> bool:
         """Whether the learning rates were chosen (``parent_lr=True``, or a ``muon``/``adamw`` other than the
         defaults), rather than left at the mixin's defaults."""
@@ -335,9 +340,10 @@ class MuonConfig:
         ``adjust_lr_fn="match_rms_adamw"`` (its update RMS matched to AdamW's, as in Moonlight): ``parent_lr=True``.
         The specs stay as given (they record ``parent_lr``, not the numbers)."""
         assert self.adamw_factory is not None
-        muon = self.muon_factory and functools.partial(
-            self.muon_factory, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"
-        )
+        muon = None
+        if self.muon_factory is not None:
+            matched = {"lr": lr, "weight_decay": weight_decay, "adjust_lr_fn": "match_rms_adamw"}
+            muon = functools.partial(self.muon_factory, **matched)
         adamw = functools.partial(self.adamw_factory, lr=lr, weight_decay=weight_decay)
         return dataclasses.replace(self, muon_factory=muon, adamw_factory=adamw)
 

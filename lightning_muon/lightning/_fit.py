@@ -54,15 +54,15 @@ class FitState:
         self.monitors: dict[int, tuple[str, bool]] = {}
 
     @classmethod
-    def configure_callbacks(cls, module: LightningModule, config: MuonConfig, muon_enabled: bool) -> FitState:
+    def configure_callbacks(cls, module: LightningModule, config: MuonConfig) -> FitState:
         """Before Lightning checks the fit: refuse what cannot work, take the Trainer's clipping and accumulation
         flags (and ``GradientAccumulationScheduler``) for the mixin, and resolve them against ``config``."""
         trainer = module.trainer
-        _checks.check_callbacks(module, muon_enabled)
+        _checks.check_callbacks(module, config.muon_enabled)
         _checkpoint.name_unreadable_checkpoints(trainer.strategy)
         flags = _compat.take_trainer_flags(trainer)
         try:
-            return cls(*resolve(config, flags), trainer_flags=flags)
+            return resolve(config, flags)
         except Exception:
             _compat.restore_trainer_flags(trainer, flags)
             raise
@@ -110,10 +110,8 @@ class FitState:
         return finder.optimal_lr.suggestion()
 
 
-def resolve(
-    config: MuonConfig, flags: _compat.TrainerFlags
-) -> tuple[UpdateSettings, int, GradientAccumulationScheduler | None]:
-    """The fit's update settings, micro-batches per update and accumulation scheduler; a
+def resolve(config: MuonConfig, flags: _compat.TrainerFlags) -> FitState:
+    """The fit's state from the mixin's arguments and the Trainer's flags taken off it; a
     `MisconfigurationException` naming both values where the Trainer and the mixin disagree."""
     schedulers = [c for _, c in flags.accumulation_schedulers]
     if len(schedulers) > 1:
@@ -134,7 +132,7 @@ def resolve(
         )
     clip, algorithm = _resolve_clipping(config.gradient_clip_val, flags)
     settings = UpdateSettings(clip, algorithm, config.max_consecutive_skips)
-    return settings, own_n if own_n != 1 else trainer_n, scheduler
+    return FitState(settings, own_n if own_n != 1 else trainer_n, scheduler, flags)
 
 
 def _resolve_clipping(own_clip: float | None, flags: _compat.TrainerFlags) -> tuple[float | None, str]:

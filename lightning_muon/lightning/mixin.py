@@ -176,7 +176,7 @@ class MuonMixin(_LightningModuleBase):
     @property
     def muon_enabled(self) -> bool:
         """Whether a Muon optimizer is configured (``False`` for the ``muon=None`` AdamW baseline)."""
-        return self._muon_config.muon_factory is not None
+        return self._muon_config.muon_enabled
 
     @property
     def muon_skipped_updates(self) -> int:
@@ -231,7 +231,7 @@ class MuonMixin(_LightningModuleBase):
     def configure_callbacks(self) -> Any:
         callbacks = super().configure_callbacks()
         if self.trainer.state.fn == "fit":  # Lightning's manual-optimization checks come next
-            self._muon_fit = FitState.configure_callbacks(self, self._muon_config, self.muon_enabled)
+            self._muon_fit = FitState.configure_callbacks(self, self._muon_config)
         return callbacks
 
     def setup(self, stage: str) -> None:

@@ -160,30 +160,30 @@ class MuonOnlyAnOptimizer(MuonMixin, OnlyAnOptimizer):
     pass
 
 
-def test_a_replaced_configure_optimizers_is_told_at_info_when_only_the_optimizer_differs(tmp_path, caplog):
-    """With parent_lr=True the parent's lr is the one trained at: only the optimizer choice differs."""
-    with warnings.catch_warnings(), caplog.at_level(logging.INFO):
-        warnings.filterwarnings("error", module="lightning_muon")
-        make_trainer(tmp_path, max_epochs=2).fit(MuonOnlyAnOptimizer(parent_lr=True))
-    told = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
-    assert told == [
-        "OnlyAnOptimizer.configure_optimizers is replaced by MuonMixin's: it would have built SGD(lr=0.1) on 6 "
-        "tensors; MuonMixin trains with Muon(lr=0.1) on 2 tensors and AdamW(lr=0.1) on 4 tensors."
-    ]
+REPLACED = ("OnlyAnOptimizer.configure_optimizers is replaced by MuonMixin's: it would have built SGD(lr=0.1) on 6 "
+            "tensors; ")
 
 
-def test_a_replaced_lr_the_user_chose_to_replace_is_told_at_info(tmp_path, caplog):
-    """lrs given to the mixin (here AdamW's): the parent's lr gives way to them, which is said, not warned."""
-    adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+@pytest.mark.parametrize(
+    ("arguments", "told"),
+    [
+        # parent_lr=True: the parent's lr is the one trained at, only the optimizer choice differs.
+        ({"parent_lr": True},
+         REPLACED + "MuonMixin trains with Muon(lr=0.1) on 2 tensors and AdamW(lr=0.1) on 4 tensors."),
+        # lrs given to the mixin (here AdamW's): the parent's lr gives way to them, which is said, not warned.
+        ({"adamw": functools.partial(torch.optim.AdamW, lr=1e-3)},
+         REPLACED + "MuonMixin trains with Muon(lr=0.02) on 2 tensors and AdamW(lr=0.001) on 4 tensors. Its lr (0.1) "
+         "gives way to the lrs given to the mixin."),
+    ],
+    ids=["parent_lr", "lrs-given"],
+)
+def test_a_replaced_configure_optimizers_is_told_once_at_info_when_the_lrs_trained_at_are_chosen(
+    arguments, told, tmp_path, caplog
+):
     with warnings.catch_warnings(), caplog.at_level(logging.INFO):
         warnings.filterwarnings("error", module="lightning_muon")
-        make_trainer(tmp_path, max_epochs=1).fit(MuonOnlyAnOptimizer(adamw=adamw))
-    told = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
-    assert told == [
-        "OnlyAnOptimizer.configure_optimizers is replaced by MuonMixin's: it would have built SGD(lr=0.1) on 6 "
-        "tensors; MuonMixin trains with Muon(lr=0.02) on 2 tensors and AdamW(lr=0.001) on 4 tensors. Its lr (0.1) "
-        "gives way to the lrs given to the mixin."
-    ]
+        make_trainer(tmp_path, max_epochs=2).fit(MuonOnlyAnOptimizer(**arguments))
+    assert [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()] == [told]
 
 
 LR_IGNORED = ("its lr (0.1) is not used: give the lrs to train at (muon=..., adamw=...), or parent_lr=True to train "
