@@ -25,10 +25,11 @@ if TYPE_CHECKING:
         orthogonality_error,
         zeropower_via_newtonschulz,
     )
-    from lightning_muon.routing import Routing, route_parameters
+    from lightning_muon.routing import GraphRoles, Routing, route_parameters, trace_roles
 
 #: Each public name and the subpackage that defines it.
 _EXPORTS = {
+    "GraphRoles": "lightning_muon.routing",
     "Muon": "lightning_muon.optim",
     "MuonMixin": "lightning_muon.lightning",
     "MuonMonitor": "lightning_muon.callbacks",
@@ -41,10 +42,12 @@ _EXPORTS = {
     "adjust_lr": "lightning_muon.optim",
     "orthogonality_error": "lightning_muon.optim",
     "route_parameters": "lightning_muon.routing",
+    "trace_roles": "lightning_muon.routing",
     "zeropower_via_newtonschulz": "lightning_muon.optim",
 }
 
 __all__ = [
+    "GraphRoles",
     "Muon",
     "MuonMixin",
     "MuonMonitor",
@@ -57,6 +60,7 @@ __all__ = [
     "adjust_lr",
     "orthogonality_error",
     "route_parameters",
+    "trace_roles",
     "zeropower_via_newtonschulz",
 ]
 __version__ = "0.1.0"

@@ -76,8 +76,10 @@ class Regression(L.LightningModule):
     samples in batches of ``batch_size`` (by default 16 in batches of 4: 4 batches an epoch). Logs ``train_loss``
     each step.
 
-    Under `MuonMixin`: the hidden matrices ``net.0.weight`` (16x8) and ``net.2.weight`` (24x16: two shapes, so every
-    lr rule tells them apart) on Muon; the head ``net.4.weight`` and the three biases on AdamW, 6 tensors in all.
+    Under `MuonMixin`: the hidden matrix ``net.2.weight`` (24x16) on Muon; on AdamW the input layer ``net.0.weight``
+    (16x8: it reads the batch, found from the first training batch), the head ``net.4.weight`` and the three biases,
+    6 tensors in all. `TWO_SHAPES` keeps ``net.0.weight`` on Muon too (two shapes, so every lr rule tells them
+    apart).
     ``lr`` is there for ``Tuner.lr_find``, which needs an attribute to name, and for `PlainRegression`.
     """
 
@@ -111,8 +113,10 @@ class MuonRegression(MuonMixin, Regression):
 
 
 #: Where `MuonRegression` routes its parameters, in the order the optimizers hold them.
-MUON_NAMES = ["net.0.weight", "net.2.weight"]
-ADAMW_NAMES = ["net.4.weight", "net.4.bias", "net.0.bias", "net.2.bias"]
+MUON_NAMES = ["net.2.weight"]
+ADAMW_NAMES = ["net.0.weight", "net.4.weight", "net.4.bias", "net.0.bias", "net.2.bias"]
+#: `MuonRegression`'s arguments that keep its input layer on Muon (a user pattern outranks the first batch).
+TWO_SHAPES = {"muon_params": ["net.0.weight"]}
 
 #: The AdamW that `PlainRegression` builds, as a mixin factory: ``MuonRegression(muon=None, adamw=ADAMW)`` is the
 #: same optimizer (at `Regression`'s default lr, 1e-2).

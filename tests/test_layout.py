@@ -223,9 +223,9 @@ def test_the_public_api_is_the_top_level():
     import lightning_muon
 
     assert sorted(lightning_muon.__all__) == [
-        "Muon", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics", "QKClip", "Routing", "WallClock",
-        "WarmupCosine",
-        "adjust_lr", "orthogonality_error", "route_parameters", "zeropower_via_newtonschulz",
+        "GraphRoles", "Muon", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics", "QKClip", "Routing",
+        "WallClock", "WarmupCosine",
+        "adjust_lr", "orthogonality_error", "route_parameters", "trace_roles", "zeropower_via_newtonschulz",
     ]
     for name in lightning_muon.__all__:
         assert getattr(lightning_muon, name).__module__.startswith("lightning_muon."), name

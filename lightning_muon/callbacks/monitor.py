@@ -130,7 +130,7 @@ class MuonMonitor(Callback):
         require_logger(trainer, "MuonMonitor")
         self._every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
         self._optimizers = [getattr(o, "optimizer", o) for o in trainer.optimizers]
-        self._keys = lr_keys(self._optimizers)
+        lr_keys(self._optimizers)  # duplicate group names fail here, before training
         # Beside a LearningRateMonitor, which logs the same lr-* keys, only the monitor's own keys.
         lr_monitors = _compat.lightning_classes(LearningRateMonitor)
         self._log_lrs = not any(isinstance(c, lr_monitors) for c in _compat.trainer_callbacks(trainer))
@@ -175,7 +175,8 @@ class MuonMonitor(Callback):
 
     def _learning_rates(self) -> dict[str, float]:
         metrics = {}
-        for optimizer, keys in zip(self._optimizers, self._keys, strict=True):
+        # Keys read afresh: the first training batch may move parameters between groups (MuonMixin's routing).
+        for optimizer, keys in zip(self._optimizers, lr_keys(self._optimizers), strict=True):
             for group, key in zip(optimizer.param_groups, keys, strict=True):
                 if self._log_lrs:
                     metrics[key] = lr_value(group["lr"])

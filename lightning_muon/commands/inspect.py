@@ -69,6 +69,9 @@ def main(args: Sequence[str]) -> None:
         return lrs.get(route.name)
 
     print(routing.render(effective_lr, width=width), end="")
+    if model.muon_enabled and model.muon_roles is None:
+        print("Output heads and input layers above come from names and structure: a fit corrects them from its "
+              "first training batch, before the first update (its INFO line lists every move).")
     if not model.muon_enabled:
         print("muon=None: the AdamW baseline, every parameter above trains with AdamW.")
     elif not any(r.optimizer == MUON for r in routing.routes):

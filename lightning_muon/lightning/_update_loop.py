@@ -37,6 +37,8 @@ from lightning_muon.lightning._checks import by_hand
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
+    from lightning_muon.lightning._first_batch import FirstBatch
+
 #: The logged count of skipped updates (the monitor logs the same key in its own rows).
 SKIPPED_STEPS_KEY = "muon/skipped_steps"
 
@@ -208,19 +210,29 @@ class UpdateLoop:
     # -------------------------------------------------------------- per batch
 
     def training_step(
-        self, module: LightningModule, step: Callable[..., Any], args: tuple, kwargs: dict, settings: UpdateSettings
+        self,
+        module: LightningModule,
+        step: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        settings: UpdateSettings,
+        first_batch: FirstBatch | None = None,
     ) -> Any:
-        """Run the parent's ``training_step``, then backward and (on the last micro-batch) the update."""
+        """Run the parent's ``training_step``, then backward and (on the last micro-batch) the update. With
+        ``first_batch``, the step is followed and its roles decided before the backward."""
         if self._in_training_step or not module.trainer.training:
             # A subclass's training_step calling super() (only the outer one updates), or a
             # validation_step reusing training_step (no backward, no update).
             return _call_with_accepted(step, args, kwargs)
         self._in_training_step = True
         try:
-            output = _call_with_accepted(step, args, kwargs)
+            with first_batch.trace(module, args, kwargs) if first_batch else contextlib.nullcontext():
+                output = _call_with_accepted(step, args, kwargs)
         finally:
             self._in_training_step = False
         loss = self._loss_of(module, output)
+        if first_batch is not None and loss is not None:
+            first_batch.decide(module, loss)  # type: ignore[arg-type]  # (a MuonMixin: only it passes one)
         update_now = _compat.ends_update(module.trainer)
         if loss is not None:
             scaled = loss / module.trainer.accumulate_grad_batches

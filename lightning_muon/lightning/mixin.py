@@ -36,10 +36,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.lightning import _checkpoint, _checks, _compat
 from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig, plain_data
+from lightning_muon.lightning._first_batch import FirstBatch, correct_optimizers, holds
 from lightning_muon.lightning._fit import FitState
 from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings
 from lightning_muon.optim.muon import Muon
-from lightning_muon.routing import Routing, route_parameters
+from lightning_muon.routing import GraphRoles, Routing, route_parameters
 
 __all__ = ["DEFAULT_ADAMW", "DEFAULT_MUON", "MuonMixin"]
 
@@ -57,7 +58,9 @@ def _wrap_training_step(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def training_step(self: MuonMixin, *args: Any, **kwargs: Any) -> Any:
-        return self._muon_loop.training_step(self, functools.partial(fn, self), args, kwargs, self._muon_settings())
+        return self._muon_loop.training_step(
+            self, functools.partial(fn, self), args, kwargs, self._muon_settings(), self._first_batch()
+        )
 
     training_step._muon_wrapped = True  # type: ignore[attr-defined]
     return training_step
@@ -146,6 +149,8 @@ class MuonMixin(_LightningModuleBase):
         self._muon_config = config
         self._muon_loop = UpdateLoop()
         self._muon_fit: FitState | None = None
+        #: What the first training batch showed (None until one is seen); kept in checkpoints.
+        self._muon_graph: GraphRoles | None = None
         self._save_hyperparameters(config)
 
     def _save_hyperparameters(self, config: MuonConfig) -> None:
@@ -183,14 +188,24 @@ class MuonMixin(_LightningModuleBase):
         """Updates skipped so far because of non-finite gradients (16-mixed overflows included)."""
         return self._muon_loop.skipped_updates
 
+    @property
+    def muon_roles(self) -> GraphRoles | None:
+        """What a fit's first training batch showed (output heads, input layers, hidden matrices), or ``None``
+        before one was seen; loaded from checkpoints with the weights."""
+        return self._muon_graph
+
     def muon_routing(self) -> Routing:
-        """Where every trainable parameter goes (Muon or AdamW) and why: with ``muon=None``, all on AdamW."""
+        """Where every trainable parameter goes (Muon or AdamW) and why: with ``muon=None``, all on AdamW.
+
+        Until a fit's first training batch is seen, output heads and input layers come from names and
+        structure; from then on, from that batch (see `lightning_muon.routing.trace_roles`)."""
         muon_class = self._muon_config.muon_class
         routing = route_parameters(
             self,
             muon_params=self._muon_config.muon_params,
             adamw_params=self._muon_config.adamw_params,
             muon_nd=muon_class is not None and issubclass(muon_class, Muon),
+            graph=self._muon_graph,
         )
         return routing if self.muon_enabled else routing.all_on_adamw("muon=None: on AdamW")
 
@@ -276,6 +291,12 @@ class MuonMixin(_LightningModuleBase):
             return config
         return config.with_lr(*_checks.parent_lr(self, _own_classes(type(self))))
 
+    def _first_batch(self) -> FirstBatch | None:
+        """A `FirstBatch` to follow this batch, while a fit with Muon has seen none (else ``None``)."""
+        if self._muon_fit is None or self._muon_graph is not None or not self.muon_enabled:
+            return None
+        return FirstBatch()
+
     def _muon_settings(self) -> UpdateSettings:
         """What each update uses: the fit's (its Trainer flags included), else the mixin's own arguments."""
         if self._muon_fit is not None:
@@ -313,7 +334,9 @@ class MuonMixin(_LightningModuleBase):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the parent's ``training_step``, then backward and (on the last micro-batch) the update."""
-        return self._muon_loop.training_step(self, super().training_step, args, kwargs, self._muon_settings())
+        return self._muon_loop.training_step(
+            self, super().training_step, args, kwargs, self._muon_settings(), self._first_batch()
+        )
 
     # ------------------------------------------------------------- checkpoints
 
@@ -321,6 +344,8 @@ class MuonMixin(_LightningModuleBase):
         super().on_save_checkpoint(checkpoint)
         routing = _checkpoint.optimizer_names(self.muon_routing())
         checkpoint[_checkpoint.CHECKPOINT_KEY] = {"routing": routing, **self._muon_loop.state_dict()}
+        if self._muon_graph is not None:
+            checkpoint[_checkpoint.CHECKPOINT_KEY]["graph"] = self._muon_graph.to_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -331,6 +356,15 @@ class MuonMixin(_LightningModuleBase):
             if resuming:
                 _checkpoint.refuse_foreign_optimizer_states(checkpoint)
             return
+        if "graph" in saved:  # the routing it trained with: what its first batch showed
+            self._muon_graph = GraphRoles.from_dict(saved["graph"])
+        elif resuming:  # saved before any batch was followed: the structural routing
+            self._muon_graph = GraphRoles()
+        optimizers = trainer.optimizers if resuming and trainer is not None else []
+        if optimizers and not any(o.state for o in optimizers):  # built already: FSDP2 restores after setup
+            routing = self.muon_routing()
+            if not holds(optimizers, routing):
+                correct_optimizers(self, routing)
         if resuming:  # optimizer states follow: they must meet the parameters they were saved for
             current = _checkpoint.optimizer_names(self.muon_routing())
             _checkpoint.check_same_model(saved, current)

@@ -8,9 +8,12 @@ every trainable parameter, in this order of precedence:
 1. user patterns (``muon_params`` / ``adamw_params``, globs on the full name);
 2. module type: ``nn.Embedding``, ``nn.EmbeddingBag`` and norm layers -> AdamW;
 3. weights tied to an embedding -> AdamW (once);
-4. the output heads -> AdamW (`find_output_heads`: the model's own conventions first);
-5. the input layer (a first conv on the raw input channels) -> AdamW;
-6. layout and shape: conv kernels (flattened), ``in x out`` weights (transformers' ``Conv1D``) and
+4. what a training batch showed, where one was traced (``graph=``, `trace_roles`): every matrix whose output
+   feeds the loss through no other matrix is an output head, every one that reads the batch through no other
+   matrix an input layer (both -> AdamW); a matrix it saw in neither role is hidden;
+5. the output heads -> AdamW (`find_output_heads`: the model's own conventions first);
+6. the input layer (a first conv on the raw input channels) -> AdamW;
+7. layout and shape: conv kernels (flattened), ``in x out`` weights (transformers' ``Conv1D``) and
    stacks of matrices (each orthogonalised on its own) -> Muon, bare token and position tables ->
    AdamW, 2D weights -> Muon, everything smaller -> AdamW.
 
@@ -32,8 +35,12 @@ from torch.nn.parameter import is_lazy
 
 from lightning_muon.routing import _roles
 from lightning_muon.routing._roles import find_output_heads
+from lightning_muon.routing._trace import GraphRoles, trace_roles, traced
 
-__all__ = ["ADAMW", "MUON", "Route", "Routing", "find_output_head", "find_output_heads", "route_parameters"]
+__all__ = [
+    "ADAMW", "MUON", "GraphRoles", "Route", "Routing", "find_output_head", "find_output_heads", "route_parameters",
+    "trace_roles", "traced",
+]
 
 MUON = "Muon"
 ADAMW = "AdamW"
@@ -220,13 +227,16 @@ class _Role:
     head: str | None
     #: Whether it is the input layer's weight.
     is_input: bool
+    #: What the first training batch showed: ``"head"``, ``"input"``, ``"hidden"`` or ``None`` (not seen).
+    graph: str | None = None
 
 
 def _module_of(alias: str) -> str:
     return alias.rsplit(".", 1)[0] if "." in alias else ""
 
 
-def _role(name: str, owners: list[tuple[str, nn.Module]], heads: Sequence[str], input_layer: str | None) -> _Role:
+def _role(name: str, owners: list[tuple[str, nn.Module]], heads: Sequence[str], input_layer: str | None,
+          graph: GraphRoles | None) -> _Role:
     """The `_Role` of parameter ``name``, owned (under every alias of a tied weight) by ``owners``."""
     own_module = next(mod for alias, mod in owners if alias == name)
     return _Role(
@@ -234,7 +244,14 @@ def _role(name: str, owners: list[tuple[str, nn.Module]], heads: Sequence[str], 
         embedding=next((alias for alias, mod in owners if isinstance(mod, _roles.EMBEDDINGS)), None),
         head=next((_module_of(alias) for alias, _ in owners if _module_of(alias) in heads), None),
         is_input=name.rsplit(".", 1)[-1] == "weight" and input_layer is not None and _module_of(name) == input_layer,
+        graph=None if graph is None else graph.role(name) or _bias_role(name, graph),
     )
+
+
+def _bias_role(name: str, graph: GraphRoles) -> str | None:
+    """A bias's role is its layer's: the graph role of the ``weight`` beside it."""
+    module, _, leaf = name.rpartition(".")
+    return graph.role(f"{module}.weight" if module else "weight") if leaf == "bias" else None
 
 
 def _matched(patterns: Sequence[str], aliases: Sequence[str]) -> str | None:
@@ -269,8 +286,9 @@ def _pattern_route(name: str, p: Tensor, role: _Role, by_layout: _RouteFields, t
     return ADAMW, group, f"matches adamw_params {to_adamw!r}", "flatten"
 
 
-def _role_route(role: _Role) -> _RouteFields | None:
-    """Precedence 2-5: module type, a tie to an embedding, the output head, the input layer; None if no role."""
+def _role_route(role: _Role, by_layout: _RouteFields) -> _RouteFields | None:
+    """Precedence 2-6: module type, a tie to an embedding, what the first batch showed (for matrices), the
+    output head, the input layer; None if no role decides."""
     module = role.module
     if isinstance(module, _roles.EMBEDDINGS):
         return ADAMW, "embeddings", f"{type(module).__name__} weight", "flatten"
@@ -278,6 +296,10 @@ def _role_route(role: _Role) -> _RouteFields | None:
         return ADAMW, "norms_and_biases", f"norm layer ({type(module).__name__})", "flatten"
     if role.embedding:
         return ADAMW, "embeddings", f"tied to embedding `{role.embedding}`", "flatten"
+    if role.graph is not None and by_layout[0] == MUON:  # a matrix: the batch decides (tables stay tables)
+        return _graph_route(role, by_layout)
+    if role.graph is not None and by_layout[2] == "bias":  # a bias goes where its layer's weight goes
+        return (ADAMW, "head", "output head's bias (first batch)", "flatten") if role.graph == "head" else by_layout
     if role.head:
         return ADAMW, "head", f"output head `{role.head}`", "flatten"
     if role.is_input:
@@ -287,12 +309,26 @@ def _role_route(role: _Role) -> _RouteFields | None:
     return None
 
 
+def _graph_route(role: _Role, by_layout: _RouteFields) -> _RouteFields:
+    """A matrix's route from what the first training batch showed (`GraphRoles`)."""
+    if role.graph == "head":
+        return ADAMW, "head", "output head: feeds the loss through no other matrix (first batch)", "flatten"
+    if role.graph == "input":
+        return ADAMW, "input", "input layer: reads the batch through no other matrix (first batch)", "flatten"
+    optimizer, group, reason, layout = by_layout
+    overruled = "output head" if role.head else "input layer" if role.is_input else None
+    if overruled:  # the structural rules guessed a role the computation does not have
+        reason = f"{reason}; not the {overruled} its name or place suggests (first batch)"
+    return optimizer, group, reason, layout
+
+
 def route_parameters(
     module: nn.Module,
     *,
     muon_params: Sequence[str] = (),
     adamw_params: Sequence[str] = (),
     muon_nd: bool = True,
+    graph: GraphRoles | None = None,
 ) -> Routing:
     """Decide Muon or AdamW for every trainable parameter of ``module``, with a reason.
 
@@ -304,6 +340,9 @@ def route_parameters(
         muon_nd: whether the Muon class accepts tensors with more than 2
             dimensions (``lightning_muon.Muon`` does, ``torch.optim.Muon`` does
             not: with ``False`` such tensors go to AdamW).
+        graph: what a training batch showed (`trace_roles`): output heads, input layers and hidden
+            matrices, found from the computation. It decides for matrices after user patterns, module
+            type and ties; the name and structure rules decide what it did not see.
 
     Raises:
         ValueError: a pattern matches nothing, a parameter matches both kinds
@@ -330,13 +369,13 @@ def route_parameters(
 
     routes = []
     for name, p in trainable.items():
-        role = _role(name, owners[id(p)], heads, input_layer)
+        role = _role(name, owners[id(p)], heads, input_layer, graph)
         to_muon, to_adamw = (_matched(patterns, aliases[name]) for patterns in (muon_params, adamw_params))
         by_layout = _layout_route(name, p, role.module, name.rsplit(".", 1)[-1], muon_nd)
         if to_muon or to_adamw:
             route = _pattern_route(name, p, role, by_layout, to_muon, to_adamw, muon_nd)
         else:
-            route = _role_route(role) or by_layout
+            route = _role_route(role, by_layout) or by_layout
         routes.append(Route(name, tuple(p.shape), *route))
 
     routed = [r.name for r in routes]

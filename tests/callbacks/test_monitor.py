@@ -21,6 +21,7 @@ from lightning_muon.callbacks.monitor import lr_keys
 
 from helpers import (
     START_METHOD,
+    TWO_SHAPES,
     EndProcessGroup,
     MuonRegression,
     PlainRegression,
@@ -68,7 +69,7 @@ NAMED_LRS = {"lr-Muon/hidden", "lr-AdamW/head", "lr-AdamW/norms_and_biases"}
 @pytest.mark.parametrize("muon", [None, torch.optim.Muon], ids=["lightning_muon.Muon", "torch.optim.Muon"])
 def test_mixin_logs_exact_keys_at_exact_steps(tmp_path, muon):
     kwargs = {} if muon is None else {"muon": functools.partial(muon, lr=0.02, weight_decay=0.01)}
-    rows = fit(tmp_path, MuonRegression(**kwargs), MuonMonitor(log_every_n_steps=3), max_steps=10)
+    rows = fit(tmp_path, MuonRegression(**TWO_SHAPES, **kwargs), MuonMonitor(log_every_n_steps=3), max_steps=10)
     assert logged(rows) == {2: NAMED_LRS | EFFECTIVE | DIAGNOSTICS, 5: NAMED_LRS | EFFECTIVE | DIAGNOSTICS,
                             8: NAMED_LRS | EFFECTIVE | DIAGNOSTICS}
     row = next(r for r in rows if r["step"] == "2")
@@ -80,7 +81,7 @@ def test_mixin_logs_exact_keys_at_exact_steps(tmp_path, muon):
 
 
 def test_accumulation_logging_steps_count_updates(tmp_path):
-    model = MuonRegression(batch_size=2, accumulate_grad_batches=4)
+    model = MuonRegression(**TWO_SHAPES, batch_size=2, accumulate_grad_batches=4)
     rows = fit(tmp_path, model, MuonMonitor(log_every_n_steps=2), max_steps=6)
     assert sorted(logged(rows)) == [1, 3, 5]
 
@@ -130,7 +131,7 @@ def test_logged_error_agrees_with_svd_of_the_update(tmp_path, ns_coefficients, n
     )
     # 64 samples in batches of 8: on batches of 4 the 24x16 update keeps a singular value too small for the
     # cubic's 30 steps to bring to 1 (an error of 0.17), which is the iteration's limit, not the monitor's.
-    model = MuonRegression(muon=muon, samples=64, batch_size=8).double()
+    model = MuonRegression(**TWO_SHAPES, muon=muon, samples=64, batch_size=8).double()
     capture = UpdateCapture()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -160,7 +161,8 @@ def test_one_newton_schulz_step_is_clearly_less_orthogonal(tmp_path):
     results = {}
     for steps in (1, 5):
         muon = functools.partial(Muon, lr=0.02, ns_steps=steps, ns_dtype=torch.float32)
-        rows = fit(tmp_path / str(steps), MuonRegression(muon=muon), MuonMonitor(log_every_n_steps=4), max_steps=4)
+        model = MuonRegression(**TWO_SHAPES, muon=muon)
+        rows = fit(tmp_path / str(steps), model, MuonMonitor(log_every_n_steps=4), max_steps=4)
         results[steps] = float(next(r for r in rows if r["step"] == "3")["muon/orthogonality_error"])
     assert results[1] > results[5] + 0.2, results
 
@@ -168,7 +170,8 @@ def test_one_newton_schulz_step_is_clearly_less_orthogonal(tmp_path):
 @pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw", "spectral", "none"])
 def test_effective_lr_equals_the_formula(tmp_path, adjust_lr_fn):
     muon = functools.partial(Muon, lr=0.01, adjust_lr_fn=adjust_lr_fn)
-    rows = fit(tmp_path, MuonRegression(muon=muon), MuonMonitor(log_every_n_steps=2, orthogonality=False), max_steps=2)
+    model = MuonRegression(**TWO_SHAPES, muon=muon)
+    rows = fit(tmp_path, model, MuonMonitor(log_every_n_steps=2, orthogonality=False), max_steps=2)
     row = next(r for r in rows if r["step"] == "1")
     formula = {
         None: lambda a, b: math.sqrt(max(1, a / b)),
@@ -193,7 +196,7 @@ def test_diagnostics_are_recorded_on_logging_steps_only(tmp_path):
             muon = pl_module.optimizers()[0].optimizer
             diagnosed.append((trainer.global_step, sorted(d.name for d in muon.diagnostics)))
 
-    model = MuonRegression()
+    model = MuonRegression(**TWO_SHAPES)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, logger=CSVLogger(tmp_path),
         callbacks=[Diagnosed(), MuonMonitor(log_every_n_steps=4)], enable_progress_bar=False,
@@ -209,7 +212,8 @@ def test_diagnostics_are_recorded_on_logging_steps_only(tmp_path):
 
 def test_sample_limits_and_rotates_the_diagnosed_matrices(tmp_path):
     rows = fit(
-        tmp_path, MuonRegression(), MuonMonitor(log_every_n_steps=1, per_parameter=True, sample=1), max_steps=4
+        tmp_path, MuonRegression(**TWO_SHAPES), MuonMonitor(log_every_n_steps=1, per_parameter=True, sample=1),
+        max_steps=4,
     )
     per_step = logged(rows)
     diagnosed = [sorted(k for k in per_step[s] if k.startswith("muon/orthogonality_error/")) for s in range(4)]
@@ -250,7 +254,7 @@ def test_no_logger_is_an_actionable_error(tmp_path):
     trainer = L.Trainer(accelerator="cpu", logger=False, callbacks=[MuonMonitor()], max_steps=1,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     with pytest.raises(MisconfigurationException, match="pass logger=CSVLogger"):
-        trainer.fit(MuonRegression())
+        trainer.fit(MuonRegression(**TWO_SHAPES))
 
 
 def test_no_muon_optimizer_warns_and_logs_learning_rates(tmp_path):
@@ -260,7 +264,7 @@ def test_no_muon_optimizer_warns_and_logs_learning_rates(tmp_path):
 
 
 def test_adamw_baseline_logs_learning_rates_without_a_warning(tmp_path, recwarn):
-    rows = fit(tmp_path, MuonRegression(muon=None), MuonMonitor(log_every_n_steps=2), max_steps=2)
+    rows = fit(tmp_path, MuonRegression(**TWO_SHAPES, muon=None), MuonMonitor(log_every_n_steps=2), max_steps=2)
     assert logged(rows) == {1: {"lr-AdamW/hidden", "lr-AdamW/head", "lr-AdamW/norms_and_biases"}}
     assert not [w for w in recwarn if "found no Muon optimizer" in str(w.message)]
 
@@ -269,7 +273,7 @@ def test_muon_monitor_beside_learning_rate_monitor_writes_each_lr_key_once(tmp_p
     trainer = make_trainer(tmp_path, csv_dir=tmp_path, max_steps=6,
                            callbacks=[LearningRateMonitor(logging_interval="step"), MuonMonitor()])
     with caplog.at_level(logging.INFO):
-        trainer.fit(MuonRegression())
+        trainer.fit(MuonRegression(**TWO_SHAPES))
     rows = read_metrics(tmp_path)
     keys = [k for k in rows[0] if k.startswith("lr-")]
     assert keys == ["lr-AdamW/head", "lr-AdamW/norms_and_biases", "lr-Muon/hidden"]
@@ -292,12 +296,13 @@ def test_two_process_ddp_logs_the_same_error_as_one_process(tmp_path):
     muon = functools.partial(Muon, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32)
     torch.manual_seed(0)
     single = fit(
-        tmp_path / "one", MuonRegression(muon=muon, batch_size=8), MuonMonitor(log_every_n_steps=2), max_steps=4
+        tmp_path / "one", MuonRegression(**TWO_SHAPES, muon=muon, batch_size=8), MuonMonitor(log_every_n_steps=2),
+        max_steps=4,
     )
     torch.manual_seed(0)
     ddp = fit(
         tmp_path / "ddp",
-        MuonRegression(muon=muon, batch_size=4),
+        MuonRegression(**TWO_SHAPES, muon=muon, batch_size=4),
         MuonMonitor(log_every_n_steps=2),
         max_steps=4,
         strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo"),

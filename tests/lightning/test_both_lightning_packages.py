@@ -128,11 +128,12 @@ def test_the_monitor_logs_under_either_package_and_sees_its_lr_monitor(pl, tmp_p
     rows = fit(tmp_path / "both", [MuonMonitor(log_every_n_steps=1), pl.callbacks.LearningRateMonitor()])
     alone = fit(tmp_path / "alone", [pl.callbacks.LearningRateMonitor()])
     assert sorted(rows[0]) == [
-        "epoch", "lr-AdamW/head", "lr-AdamW/norms_and_biases", "lr-Muon/hidden", "muon/effective_lr_max",
+        "epoch", "lr-AdamW/head", "lr-AdamW/input", "lr-AdamW/norms_and_biases", "lr-Muon/hidden",
+        "muon/effective_lr_max",
         "muon/effective_lr_min", "muon/orthogonality_error", "muon/orthogonality_error_max", "muon/update_rms",
         "step", "train_loss",
     ]
-    for key in ("lr-Muon/hidden", "lr-AdamW/head"):
+    for key in ("lr-Muon/hidden", "lr-AdamW/head", "lr-AdamW/input"):
         assert sum(bool(r[key]) for r in rows) == sum(bool(r[key]) for r in alone) > 0, key
     assert sum(bool(r["muon/orthogonality_error"]) for r in rows) == 8  # one per update
 

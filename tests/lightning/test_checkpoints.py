@@ -129,7 +129,7 @@ def test_routing_order_differences_are_refused():
 
 def test_resuming_a_muon_checkpoint_into_the_adamw_baseline_is_refused_clearly(tmp_path, two_epoch_run):
     model = MuonRegression(muon=None, lr_scheduler=SCHEDULE)
-    with pytest.raises(MisconfigurationException, match=r"different routing(.|\n)*net\.0\.weight: was on Muon"):
+    with pytest.raises(MisconfigurationException, match=r"different routing(.|\n)*net\.2\.weight: was on Muon"):
         make_trainer(tmp_path, max_epochs=2).fit(model, ckpt_path=two_epoch_run["ckpt"])
 
 

@@ -56,13 +56,13 @@ def test_boring_model_both_optimizers_step_every_parameter_moves(tmp_path):
 
     muon, adamw = (o.optimizer for o in model.optimizers())
     assert isinstance(muon, Muon) and isinstance(adamw, torch.optim.AdamW)
-    assert names_in(muon) == {"layer.0.weight", "layer.2.weight"}
-    assert names_in(adamw) == {"layer.0.bias", "layer.2.bias", "layer.4.weight", "layer.4.bias"}
+    assert names_in(muon) == {"layer.2.weight"}  # layer.0 reads the batch: the input layer, on AdamW
+    assert names_in(adamw) == {"layer.0.weight", "layer.0.bias", "layer.2.bias", "layer.4.weight", "layer.4.bias"}
     assert adamw.defaults["fused"] is True
     for name, p in model.named_parameters():
         assert not torch.equal(p.detach(), before[name]), f"{name} did not move"
     # Each optimizer has state for exactly its own parameters.
-    assert len(muon.state) == 2 and len(adamw.state) == 4
+    assert len(muon.state) == 1 and len(adamw.state) == 5
     assert fit.global_step == 5
 
 
@@ -144,14 +144,14 @@ def test_subclass_defining_configure_optimizers_fails_at_class_definition():
                 return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_the_mixin_adds_three_prefixed_attributes_to_the_module_and_no_more(tmp_path):
-    """The user's module keeps its own namespace: the mixin's state is `_muon_config`, `_muon_loop` and the fit's
-    `_muon_fit`, set only during a fit (besides what Lightning's own save_hyperparameters writes, which the mixin
-    calls)."""
+def test_the_mixin_adds_four_prefixed_attributes_to_the_module_and_no_more(tmp_path):
+    """The user's module keeps its own namespace: the mixin's state is `_muon_config`, `_muon_loop`, what the
+    first batch showed (`_muon_graph`) and the fit's `_muon_fit`, set only during a fit (besides what Lightning's
+    own save_hyperparameters writes, which the mixin calls)."""
     # The private names are what this test is about: the module's namespace, not the mixin's behaviour.
     plain, model = DeepBoring(), MuonBoring()
     plain.save_hyperparameters({"lr": 0.1})
-    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_fit"}
+    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_graph", "_muon_fit"}
     assert model._muon_fit is None
 
     class Spy(L.Callback):
@@ -161,6 +161,6 @@ def test_the_mixin_adds_three_prefixed_attributes_to_the_module_and_no_more(tmp_
     fits: list = []
     make_trainer(tmp_path, max_steps=3, callbacks=[Spy()]).fit(model)
     make_trainer(tmp_path / "plain", max_steps=3).fit(plain)
-    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_fit"}
+    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_graph", "_muon_fit"}
     assert len(fits) == 3 and fits[0] is not None and all(f is fits[0] for f in fits)  # one state for the fit
     assert model._muon_fit is None  # dropped at teardown

@@ -54,8 +54,15 @@ def test_temporal_fusion_transformer_trains_and_its_checkpoint_gives_the_same_fo
     trainer = quiet_trainer(tmp_path, max_steps=4)
     trainer.fit(model, data.to_dataloader(train=True, batch_size=16, num_workers=0))
     assert trainer.global_step == 4
+    # The first batch found the prescaler reading the raw value (Linear(1, 4)): an input layer, not a hidden matrix.
+    routes = {r.name: r for r in model.muon_routing().routes}
+    assert (routes["prescalers.value.weight"].group, routes["prescalers.value.weight"].reason) == (
+        "input", "input layer: reads the batch through no other matrix (first batch)")
+    assert routes["output_layer.weight"].reason == "output head: feeds the loss through no other matrix (first batch)"
+    assert len(model.muon_routing().names("Muon")) == 33
     trainer.save_checkpoint(tmp_path / "tft.ckpt")
     loaded = MuonTFT.load_from_checkpoint(tmp_path / "tft.ckpt", weights_only=False)  # as the library loads it
+    assert loaded.muon_routing().routes == model.muon_routing().routes
     batch, _ = next(iter(data.to_dataloader(train=False, batch_size=8, num_workers=0)))
     model.eval(), loaded.eval()
     with torch.no_grad():
@@ -87,6 +94,12 @@ def test_deepar_trains_through_the_gluonts_estimator_and_restores_its_best_check
     with mock.patch("gluonts.torch.model.deepar.estimator.DeepARLightningModule", MuonDeepAR):
         trained = estimator.train_model(data)  # restores the best checkpoint with torch.load(weights_only=True)
     assert isinstance(trained.trained_net, MuonDeepAR) and trained.trainer.global_step == 8
+    # Every distribution-argument projection (Linear(8, 1) each, side by side) is a head; the LSTM's input-side
+    # matrix reads the lags, an input layer; its recurrent matrix stays on Muon.
+    routes = {r.name: (r.optimizer, r.group) for r in trained.trained_net.muon_routing().routes}
+    assert [routes[f"model.param_proj.proj.{i}.weight"] for i in range(2)] == [("AdamW", "head")] * 2
+    assert routes["model.rnn.weight_ih_l0"] == ("AdamW", "input")
+    assert routes["model.rnn.weight_hh_l0"] == ("Muon", "hidden")
     assert "model_kwargs" not in trained.trained_net.hparams  # it holds NormalOutput(): left out whole, with a warning
     forecast = next(iter(trained.predictor.predict(data)))
     assert forecast.mean.shape == (4,) and np.isfinite(forecast.mean).all()

@@ -1,0 +1,293 @@
+"""What one training batch shows about a model's matrices: which are its output heads and which its input layers,
+read from the computation itself rather than from names (`trace_roles`, `GraphRoles`).
+
+While the batch's forward runs, a ``TorchFunctionMode`` sees every torch call and follows two things through it:
+
+- **from the batch**: a tensor of the batch, or one computed from it through no learnable matrix (a mask,
+  length or index from the batch applied to an activation leaves it an activation: only a concatenation puts the
+  batch's values beside one);
+- **carried matrices**: the learnable matrices whose outputs reach a tensor through no other learnable matrix.
+
+A call is a *matrix op* when it applies a learnable matrix as a linear map (`MATRIX_OPS`: linear, matmul, conv,
+embedding, the recurrent layers, attention's in-projection); the matrix is a trainable parameter of two or more
+dimensions, or a tensor computed from parameters alone (``W.t()``, a weight-normalised ``W``, ``W * mask``). At a
+matrix op, the matrices it applies are *input layers* when another of its inputs is from the batch; its output
+carries just those matrices and is not from the batch. Every other call passes both on (its outputs are from the
+batch if an input is, and carry the union of its inputs' matrices). The *output heads* are the matrices the loss
+carries: all of them, parallel heads included.
+
+The trace follows the batch itself, not the autograd graph: the batch does not require gradients, so it is not in
+that graph, and the constants that are (RoPE tables, masks) would read as data there. The trace is observation
+only: every call runs unchanged, and the trace's own bookkeeping never raises into the model (a failure there ends
+the trace, with no verdict). Its cost is one Python call per torch call of one forward, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["MATRIX_OPS", "GraphRoles", "RoleTrace", "trace_roles"]
+
+#: The torch calls that apply a matrix argument as a linear map (by ``__name__``).
+MATRIX_OPS = frozenset({
+    "linear", "bilinear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm",
+    "mv", "addmv", "einsum", "tensordot", "_grouped_mm",
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "convolution",
+    "embedding", "embedding_bag",
+    "lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "multi_head_attention_forward",
+})
+
+
+@dataclass(frozen=True)
+class GraphRoles:
+    """The roles one batch showed, by parameter name (plain data: saved in checkpoints as `to_dict`).
+
+    ``heads`` and ``inputs`` are ``None`` where the batch gave no verdict (the loss was not followed, or no
+    batch tensor reached a matrix op): those roles then come from the structural rules.
+    """
+
+    #: Matrices applied by a matrix op during the forward.
+    seen: frozenset[str] = frozenset()
+    #: Matrices whose outputs reach the loss through no other learnable matrix.
+    heads: frozenset[str] | None = None
+    #: Matrices applied to the batch through no other learnable matrix.
+    inputs: frozenset[str] | None = None
+    #: Why there is no verdict (``""`` when there is one).
+    note: str = ""
+
+    def role(self, name: str) -> str | None:
+        """``"head"``, ``"input"``, ``"hidden"`` (seen, neither), or ``None`` (the batch cannot tell)."""
+        if self.heads is not None and name in self.heads:
+            return "head"
+        if self.inputs is not None and name in self.inputs:
+            return "input"
+        if name in self.seen and self.heads is not None:
+            return "hidden"
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seen": sorted(self.seen),
+            "heads": None if self.heads is None else sorted(self.heads),
+            "inputs": None if self.inputs is None else sorted(self.inputs),
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GraphRoles:
+        heads, inputs = data.get("heads"), data.get("inputs")
+        return cls(
+            seen=frozenset(data.get("seen", ())),
+            heads=None if heads is None else frozenset(heads),
+            inputs=None if inputs is None else frozenset(inputs),
+            note=data.get("note", ""),
+        )
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """Every tensor in a nest of tuples, lists and dicts (and dataclass-like objects' ``__dict__`` is left out:
+    torch calls take tensors, tuples and lists)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _batch_tensors(batch: Any, depth: int = 0) -> Iterator[Tensor]:
+    """The tensors of a training batch: nested tuples, lists, dicts, and objects holding tensors as attributes
+    (dataclasses, named tuples, batch classes)."""
+    if depth > 8:
+        return
+    if isinstance(batch, Tensor):
+        yield batch
+    elif isinstance(batch, (tuple, list)):
+        for item in batch:
+            yield from _batch_tensors(item, depth + 1)
+    elif isinstance(batch, dict):
+        for item in batch.values():
+            yield from _batch_tensors(item, depth + 1)
+    elif hasattr(batch, "__dict__") and not isinstance(batch, (nn.Module, type)):
+        for item in vars(batch).values():
+            yield from _batch_tensors(item, depth + 1)
+
+
+#: Recurrent layers apply all their matrices in one call; these read the call's input (the rest, its state).
+_RNN_INPUT = re.compile(r"weight_ih(_l0)?(_reverse)?$")
+#: Attention's in-projections read its input; its out-projection gives its output.
+_ATTENTION_INPUT = re.compile(r"(in_proj_weight|[qkv]_proj_weight)$")
+
+
+def _input_side(op: str, applied: frozenset[str]) -> frozenset[str]:
+    """The matrices of a matrix op that read its input (all but recurrent state and attention's output)."""
+    if op in ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"):
+        return frozenset(n for n in applied if _RNN_INPUT.search(n))
+    if op == "multi_head_attention_forward":
+        return frozenset(n for n in applied if _ATTENTION_INPUT.search(n))
+    return applied
+
+
+def _output_side(op: str, applied: frozenset[str]) -> frozenset[str]:
+    """The matrices of a matrix op whose output is the op's output (attention: only the out-projection)."""
+    if op == "multi_head_attention_forward":
+        return frozenset(n for n in applied if not _ATTENTION_INPUT.search(n)) or applied
+    return applied
+
+
+#: Calls whose output holds each input's values side by side.
+_CONCATENATIONS = frozenset({"cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "column_stack"})
+
+_IN_PLACE = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"})
+
+
+@dataclass
+class RoleTrace(TorchFunctionMode):
+    """The mode that follows a forward (see the module's docstring). Enter it around the forward that produces
+    the loss, then call `roles` with that loss.
+
+    Args:
+        names: every trainable parameter by name (``module.named_parameters()``).
+        batch: the training batch (any nest of tensors).
+    """
+
+    names: dict[str, Tensor]
+    batch: Any
+    _param_names: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    #: Tensors computed from parameters alone -> the matrices among those parameters.
+    _weights: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    #: Tensors from the batch.
+    _from_batch: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    #: Tensors -> the matrices whose outputs reach them through no other matrix.
+    _carried: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    _seen: set[str] = field(default_factory=set)
+    _inputs: set[str] = field(default_factory=set)
+    _batch_reached_matrix: bool = False
+    _failure: str = ""
+
+    def __post_init__(self) -> None:
+        super().__init__()
+        for name, p in self.names.items():
+            self.add_parameter(name, p)
+        for t in _batch_tensors(self.batch):
+            self._from_batch[t] = True
+
+    def add_parameter(self, name: str, p: Tensor) -> None:
+        """Know ``p`` as parameter ``name`` (FSDP2 swaps the registered parameters for unsharded ones during the
+        forward: `traced` adds those as each module runs)."""
+        if p.requires_grad and p not in self._param_names:
+            self._param_names[p] = name
+            self._weights[p] = frozenset({name}) if p.ndim >= 2 else frozenset()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self._failure:
+            try:
+                self._follow(getattr(func, "__name__", ""), args, kwargs, out)
+            except Exception as error:  # the trace must never break the model's forward
+                self._failure = f"the trace failed at {getattr(func, '__name__', func)!r}: {error!r}"
+        return out
+
+    def _follow(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        inputs = list(_tensors((args, kwargs)))
+        if not inputs:
+            return
+        weights = [self._weights[t] for t in inputs if t in self._weights]
+        others = [t for t in inputs if t not in self._weights]
+        applied: frozenset[str] = frozenset().union(*weights)
+        carried: frozenset[str] = frozenset().union(*(self._carried.get(t, frozenset()) for t in others))
+        any_batch = any(t in self._from_batch for t in others)
+        # Masks, lengths and indices from the batch applied to an activation leave it an activation; the batch's
+        # own values next to one (a concatenation) stay the batch.
+        activations = any(t in self._carried and t not in self._from_batch for t in others)
+        from_batch = any_batch and (not activations or name in _CONCATENATIONS)
+        targets = self._targets(name, inputs, out)
+        if name in MATRIX_OPS and applied and others:  # a matrix applied to an activation or to the batch
+            self._seen |= applied
+            if from_batch:
+                self._inputs |= _input_side(name, applied)
+                self._batch_reached_matrix = True
+            self._mark(targets, carried=_output_side(name, applied))
+        elif weights and not any_batch and not carried:  # computed from parameters (and constants) alone
+            self._mark(targets, weights=applied)
+        else:
+            self._mark(targets, from_batch=from_batch, carried=carried)
+
+    def _targets(self, name: str, inputs: list[Tensor], out: Any) -> list[Tensor]:
+        """The tensors a call wrote: its outputs, and its first input when it writes in place."""
+        targets = list(_tensors(out))
+        if (name in _IN_PLACE or (name.endswith("_") and not name.startswith("_"))) and inputs[0] not in targets:
+            targets.append(inputs[0])  # x[...] = y, x += y, x.copy_(y): x now holds what y held too
+        return [t for t in targets if t not in self._param_names]
+
+    def _mark(self, targets: list[Tensor], *, weights: frozenset[str] | None = None, from_batch: bool = False,
+              carried: frozenset[str] = frozenset()) -> None:
+        """Record what ``targets`` now hold: parameters alone (``weights``), or the batch and carried matrices."""
+        for t in targets:
+            self._weights.pop(t, None)
+            self._from_batch.pop(t, None)
+            self._carried.pop(t, None)
+            if weights is not None:
+                self._weights[t] = weights
+            if from_batch:
+                self._from_batch[t] = True
+            if carried:
+                self._carried[t] = carried
+
+    def roles(self, loss: Tensor | None) -> GraphRoles:
+        """The roles this trace saw, with ``loss`` the forward's loss (``None``: no head verdict)."""
+        seen = frozenset(self._seen)
+        if self._failure:
+            return GraphRoles(note=self._failure)
+        heads = None
+        note = []
+        if loss is not None and loss in self._carried:
+            heads = frozenset(self._carried[loss])
+        else:
+            note.append("the loss could not be followed to the matrices that produce it")
+        inputs = frozenset(self._inputs) if self._batch_reached_matrix else None
+        if inputs is None:
+            note.append("no tensor of the batch reached a matrix")
+        return GraphRoles(seen=seen, heads=heads, inputs=inputs, note="; ".join(note))
+
+
+@contextlib.contextmanager
+def traced(module: nn.Module, batch: Any) -> Iterator[RoleTrace]:
+    """Follow the forward run inside this block (``with traced(model, batch) as trace: loss = ...``), then ask
+    ``trace.roles(loss)``. Modules' parameters are (re-)registered as each module runs, so FSDP2's unsharded
+    parameters are known by their names."""
+    trace = RoleTrace(names={n: p for n, p in module.named_parameters() if p.requires_grad}, batch=batch)
+    prefixes = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+
+    def register(mod: nn.Module, args: Any) -> None:
+        prefix = prefixes.get(id(mod))
+        if prefix is None:
+            return
+        for p_name, p in mod.named_parameters(recurse=False):
+            trace.add_parameter(f"{prefix}.{p_name}" if prefix else p_name, p)
+
+    handle = nn.modules.module.register_module_forward_pre_hook(register)
+    try:
+        with trace:
+            yield trace
+    finally:
+        handle.remove()
+
+
+def trace_roles(module: nn.Module, batch: Any, loss_of: Any) -> GraphRoles:
+    """The roles of ``module``'s matrices from one forward: ``loss_of(batch)`` computes the loss (a tensor)."""
+    with traced(module, batch) as trace:
+        loss = loss_of(batch)
+    return trace.roles(loss if isinstance(loss, Tensor) else None)
