@@ -13,7 +13,7 @@ here, as bf16 matmuls are slow on CPUs; AdamW lr 3e-4, betas (0.9, 0.95)), stepp
 `--steps` updates of batch 128; the figure is the test cross-entropy at the end (lower is better), per seed.
 
     python benchmarks/degenerate.py             # prints a markdown table
-    python benchmarks/degenerate.py --write     # also writes benchmarks/results/degenerate.md
+    python benchmarks/degenerate.py --write     # also writes results/degenerate.md and its RESULTS.md section
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from lightning_muon import Muon
 from lightning_muon.routing import route_parameters
 
 import _common
+import _report
 
 
 def data() -> tuple[torch.Tensor, ...]:
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + report)
     if args.write:
         (_common.ROOT / "benchmarks" / "results" / "degenerate.md").write_text(report)
+        _report.update_section("degenerate", report.replace("# ", "## ", 1))  # and its section of RESULTS.md
 
 
 if __name__ == "__main__":

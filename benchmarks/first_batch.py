@@ -6,7 +6,7 @@ batch's roles) is compared parameter by parameter. The cost: one forward of the 
 against the same forward without it (median of 5 each; the trace runs once per fit, never on later steps).
 
     python benchmarks/first_batch.py            # prints the moves and the costs as markdown
-    python benchmarks/first_batch.py --write    # also writes benchmarks/results/first_batch.md
+    python benchmarks/first_batch.py --write    # also writes results/first_batch.md and its RESULTS.md section
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from lightning_muon import MuonMixin
 from lightning_muon.routing import Routing, route_parameters, traced
 
 import _common
+import _report
 
 STEPS = 2
 
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + report)
     if args.write:
         (_common.ROOT / "benchmarks" / "results" / "first_batch.md").write_text(report)
+        _report.update_section("first_batch", report.replace("# ", "## ", 1))  # and its section of RESULTS.md
 
 
 if __name__ == "__main__":

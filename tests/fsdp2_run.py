@@ -52,24 +52,21 @@ if __name__ == "__main__":
     parser.add_argument("--save", type=Path, default=None)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--first-layer-on-muon", action="store_true")
     args = parser.parse_args()
     syncs = count_reduce_scatters()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
-    if args.save or args.ckpt:
-        # `sometimes` is a Muon matrix that never gets a gradient here: torch.distributed.checkpoint restores
-        # a state for every parameter, and Muon gives it a (zero) momentum buffer for that.
-        model = ShardedNet(
-            batch_size=args.batch_size, muon=muon_factory(), muon_params=["sometimes.weight"], adamw_params=["net.8.*"]
-        )
-    else:
-        model = ShardedNet(
-            batch_size=args.batch_size,
-            muon=muon_factory(),
-            muon_params=["sometimes.weight"],
-            adamw_params=["net.8.*"],
-            accumulate_grad_batches=args.accumulate,
-        )
+    # `sometimes` is a Muon matrix that never gets a gradient here: torch.distributed.checkpoint restores a state for
+    # every parameter, and Muon gives it a (zero) momentum buffer for that. `net.0` reads the batch (an input layer,
+    # AdamW's), unless --first-layer-on-muon keeps it on Muon for the work split's four shapes.
+    model = ShardedNet(
+        batch_size=args.batch_size,
+        muon=muon_factory(),
+        muon_params=["sometimes.weight", *(["net.0.weight"] if args.first_layer_on_muon else [])],
+        adamw_params=["net.8.*"],
+        accumulate_grad_batches=args.accumulate,
+    )
     callbacks = [SaveEveryRank(args.out), EndProcessGroup()] + ([SaveCheckpointAtEnd(args.save)] if args.save else [])
     trainer = L.Trainer(
         accelerator="cpu",

@@ -51,8 +51,9 @@ TOLERANCE = 1e-4
 def train(tmp_path: Path, devices: int, split_ns: bool = True, unused_every: int = 0, steps: int = 10) -> list[dict]:
     muon = muon_factory(split_ns)
     L.seed_everything(0)
+    # net.0 reads the batch (an input layer, AdamW's): its pattern keeps it on Muon for the work split's four shapes
     model = MuonNet(batch_size=8 // devices, unused_every=unused_every, muon=muon,
-                    muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
+                    muon_params=["sometimes.weight", "net.0.weight"], adamw_params=["net.8.*"])
     kwargs = {"strategy": DDPStrategy(start_method=START_METHOD, process_group_backend="gloo",
                                       find_unused_parameters=True)} if devices > 1 else {}
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -465,7 +466,7 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
     """ModelParallelStrategy + fully_shard: every matrix is orthogonalised whole, so sharded training
     matches one process (a per-shard Newton-Schulz would be off by >10%, see the test above)."""
     (single,) = train(tmp_path / "one", devices=1, steps=6)
-    rank0, rank1 = run_fsdp2(tmp_path / "fsdp2", "--max-steps", "6")
+    rank0, rank1 = run_fsdp2(tmp_path / "fsdp2", "--max-steps", "6", "--first-layer-on-muon")
     assert rank0["world"] == 2
     for name, p in single["params"].items():
         assert torch.equal(rank0["params"][name], rank1["params"][name]), name
@@ -479,8 +480,9 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
 @pytest.mark.distributed
 def test_fsdp2_accumulation_reduces_gradients_only_on_the_last_micro_batch(tmp_path):
     (single,) = train(tmp_path / "one", devices=1, steps=4)
-    plain = run_fsdp2(tmp_path / "plain", "--max-steps", "4", "--batch-size", "4")
-    accumulated = run_fsdp2(tmp_path / "accumulated", "--max-steps", "4", "--batch-size", "2", "--accumulate", "2")
+    plain = run_fsdp2(tmp_path / "plain", "--max-steps", "4", "--batch-size", "4", "--first-layer-on-muon")
+    accumulated = run_fsdp2(tmp_path / "accumulated", "--max-steps", "4", "--batch-size", "2", "--accumulate", "2",
+                            "--first-layer-on-muon")
     # Twice the backward passes, the same number of reduce-scatters: none on the first micro-batch.
     assert [r["syncs"] for r in accumulated] == [r["syncs"] for r in plain]
     assert plain[0]["syncs"] > 0
@@ -514,7 +516,7 @@ def test_accumulation_syncs_gradients_only_on_the_last_micro_batch(tmp_path):
     (single,) = train(tmp_path / "one", devices=1, steps=4)
     L.seed_everything(0)
     model = MuonNet(batch_size=2, muon=muon_factory(), accumulate_grad_batches=2,
-                    muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
+                    muon_params=["sometimes.weight", "net.0.weight"], adamw_params=["net.8.*"])
     out = tmp_path / "two"
     out.mkdir()
     trainer = L.Trainer(

@@ -11,11 +11,12 @@ import argparse
 import shutil
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from lightning_muon.commands.config_files import expand_configs
-from lightning_muon.commands.lightning_cli import instantiate
+from lightning_muon.commands.lightning_cli import MuonCLI, instantiate
 from lightning_muon.lightning.mixin import MuonMixin
-from lightning_muon.routing import MUON, Route
+from lightning_muon.routing import MUON, GraphRoles, Route, trace_roles
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,7 +51,8 @@ def main(args: Sequence[str]) -> None:
         raise SystemExit(0)
     if not argv:
         parser().error("give the config to inspect: --config FILE")
-    model = instantiate(expand_configs(argv)).model
+    cli = instantiate(expand_configs(argv))
+    model = cli.model
     width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 160  # whole names when piped
     if not isinstance(model, MuonMixin):
         print(f"{type(model).__name__} does not use MuonMixin: every parameter stays on its own optimizer.")
@@ -62,6 +64,9 @@ def main(args: Sequence[str]) -> None:
         name = type(model).__name__
         print(f"{name} has no trainable parameter, even after configure_model(): nothing to route.")
         return
+    source = ""
+    if model.muon_enabled:
+        model.muon_roles, source = first_batch_roles(cli, model)
     routing = model.muon_routing()
     lrs = model.muon_effective_lrs()
 
@@ -69,10 +74,36 @@ def main(args: Sequence[str]) -> None:
         return lrs.get(route.name)
 
     print(routing.render(effective_lr, width=width), end="")
-    if model.muon_enabled and model.muon_roles is None:
-        print("Output heads and input layers above come from names and structure: a fit corrects them from its "
-              "first training batch, before the first update (its INFO line lists every move).")
     if not model.muon_enabled:
         print("muon=None: the AdamW baseline, every parameter above trains with AdamW.")
-    elif not any(r.optimizer == MUON for r in routing.routes):
+        return
+    print(source)
+    if not any(r.optimizer == MUON for r in routing.routes):
         print("No parameter is routed to Muon.")
+
+
+def first_batch_roles(cli: MuonCLI, model: MuonMixin) -> tuple[GraphRoles | None, str]:
+    """What the first training batch shows (as a fit's first batch would), from the config's data, and a line
+    saying where the table's heads and input layers come from. ``training_step`` runs once, without backward or
+    update, its logging dropped; without data (or if it fails) the roles stay the structural ones."""
+    data = cli.datamodule if cli.datamodule is not None else model
+    try:
+        if cli.datamodule is not None:
+            cli.datamodule.prepare_data()
+            cli.datamodule.setup("fit")
+        batch = next(iter(data.train_dataloader()))
+        model.trainer = cli.trainer  # attached, not fitting: training_step runs as a plain forward
+        model.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  # no loop to log to
+        try:
+            roles = trace_roles(model, batch, lambda b: _loss(model.training_step(b, 0)))
+        finally:
+            del model.log
+    except Exception as error:  # inspect still prints the structural routing
+        return None, (f"Output heads and input layers: from names and structure (no training batch could be "
+                      f"followed: {type(error).__name__}: {error}); a fit finds them from its first batch.")
+    said = f" ({roles.note})" if roles.note else ""
+    return roles, f"Output heads and input layers: from the first training batch, as a fit finds them{said}."
+
+
+def _loss(output: Any) -> Any:
+    return output["loss"] if isinstance(output, dict) else output

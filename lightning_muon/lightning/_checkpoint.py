@@ -14,6 +14,7 @@ import os
 import pickle
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,18 +92,20 @@ def refuse_foreign_optimizer_states(checkpoint: dict[str, Any]) -> None:
     )
 
 
-def name_unreadable_checkpoints(strategy: Strategy) -> None:
+def name_unreadable_checkpoints(strategy: Strategy, before_load: Callable[[Strategy, Any], None]) -> None:
     """Make the strategy's checkpoint loading say what is wrong with the file and what to do, instead of torch's
     bare errors: an empty or truncated file (a run stopped while saving it), an FSDP2 checkpoint directory on a
     strategy that reads one file, a one-file checkpoint under FSDP2 (Lightning maps each optimizer's states onto
     the model's parameters in order, which does not hold for Muon + AdamW). The fit's ``ckpt_path`` is loaded by
-    ``strategy.load_checkpoint`` before any module hook runs, hence the wrapper."""
+    ``strategy.load_checkpoint`` before any module hook runs, hence the wrapper; ``before_load(strategy, path)`` runs
+    first (a distributed checkpoint's optimizer states load into the optimizers as they stand)."""
     load = strategy.load_checkpoint
     if getattr(load, "_muon_names_files", False):
         return
     name = type(strategy).__name__
 
     def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        before_load(strategy, checkpoint_path)
         try:
             return load(checkpoint_path, *args, **kwargs)
         except IsADirectoryError as error:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,11 +23,13 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_muon.lightning._checkpoint import CHECKPOINT_KEY
 from lightning_muon.routing import ADAMW, MUON, GraphRoles, Routing, traced
 from lightning_muon.routing._trace import RoleTrace
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
+    from lightning.pytorch.strategies import Strategy
 
     from lightning_muon.lightning._config import MuonConfig
     from lightning_muon.lightning.mixin import MuonMixin
@@ -48,8 +51,6 @@ class FirstBatch:
 
     def __init__(self) -> None:
         self._trace: RoleTrace | None = None
-        #: Seconds the decision took (after the traced forward), said at INFO.
-        self.seconds = 0.0
 
     @contextlib.contextmanager
     def trace(self, module: LightningModule, args: tuple, kwargs: dict) -> Iterator[None]:
@@ -59,31 +60,33 @@ class FirstBatch:
             self._trace = trace
             yield
 
-    def decide(self, module: MuonMixin, loss: torch.Tensor | None) -> GraphRoles:
-        """What the batch showed, agreed across ranks; the optimizers corrected where it moves parameters."""
+    def decide(self, module: MuonMixin, loss: torch.Tensor | None) -> None:
+        """Keep what the batch showed on the module, once every rank agrees; correct the optimizers where it moves
+        parameters, and say what moved (INFO)."""
         assert self._trace is not None, "decide() after trace()"
         start = time.perf_counter()
         roles = self._trace.roles(loss)
         before = module.muon_routing()
         module._muon_graph = roles
-        after = module.muon_routing()
-        check_ranks_agree(module, after)
-        moved = [a for a, b in zip(after.routes, before.routes, strict=True) if (a.optimizer, a.group) != (
-            b.optimizer, b.group)]
+        try:
+            after = module.muon_routing()
+            check_ranks_agree(module, after)
+        except BaseException:
+            module._muon_graph = None  # a later fit follows its own first batch
+            raise
         if not holds(module.trainer.optimizers, after):
             correct_optimizers(module, after)
-        self.seconds += time.perf_counter() - start
-        said = f"; {roles.note}" if roles.note else ""
-        if moved:
-            lines = "\n".join(f"  {r.name}: {r.optimizer} ({r.reason})" for r in moved)
-            rank_zero_info(
-                f"MuonMixin: the first training batch moved {len(moved)} parameter(s) before the first update "
-                f"({self.seconds * 1000:.0f} ms){said}:\n{lines}\n" + after.render()
-            )
-        else:
-            rank_zero_info(f"MuonMixin: the first training batch confirmed the routing ({self.seconds * 1000:.0f} ms)"
-                           f"{said}.")
-        return roles
+        took = f"{(time.perf_counter() - start) * 1000:.0f} ms" + (f"; {roles.note}" if roles.note else "")
+        moved = [a for a, b in zip(after.routes, before.routes, strict=True) if (a.optimizer, a.group) != (
+            b.optimizer, b.group)]
+        if not moved:
+            rank_zero_info(f"MuonMixin: the first training batch confirmed the routing ({took}).")
+            return
+        lines = "\n".join(f"  {r.name}: {r.optimizer} ({r.reason})" for r in moved)
+        rank_zero_info(
+            f"MuonMixin: the first training batch moved {len(moved)} parameter(s) before the first update ({took}):"
+            f"\n{lines}\n" + after.render()
+        )
 
 
 def check_ranks_agree(module: LightningModule, routing: Routing) -> None:
@@ -119,8 +122,18 @@ def correct_optimizers(module: MuonMixin, routing: Routing) -> None:
     if any(o.state for o in optimizers):
         raise RuntimeError("lightning_muon: the routing can only be corrected before the optimizers' first step")
     config: MuonConfig = module._optimizer_config()
-    groups = [config.build("muon", routing.muon_groups).param_groups if routing.muon_groups else []]
-    groups.append(config.build_adamw(routing.adamw_groups).param_groups)
+    # The tensors the optimizers hold, by name: during a training step FSDP2's modules hold unsharded copies of
+    # their parameters, while the optimizers must keep the sharded ones they were built with.
+    held = {n: p for o in optimizers for g in o.param_groups
+            for n, p in zip(g["param_names"], g["params"], strict=True)}
+    if set(held) != {r.name for r in routing.routes}:
+        raise RuntimeError("lightning_muon: the optimizers hold other parameters than the routing names")
+
+    def holding(optimizer: str) -> list[dict]:
+        return [{**g, "params": [(n, held[n]) for n, _ in g["params"]]} for g in routing.groups(optimizer)]
+
+    groups = [config.build("muon", holding(MUON)).param_groups if routing.muon_groups else []]
+    groups.append(config.build_adamw(holding(ADAMW)).param_groups)
     if len(optimizers) == 1:  # no Muon was built: the structural rules routed no parameter to it
         if groups[0]:
             raise MisconfigurationException(
@@ -137,3 +150,30 @@ def correct_optimizers(module: MuonMixin, routing: Routing) -> None:
     for scheduler_config, built_config in zip(trainer.lr_scheduler_configs, rebuilt, strict=True):
         scheduler_config.scheduler = built_config["scheduler"]
 
+
+def restore_roles(module: MuonMixin, saved: dict[str, Any], resuming: bool) -> None:
+    """A checkpoint's record (``checkpoint["lightning_muon"]``) gives the module the roles it trained with; a
+    resumed fit whose checkpoint has none (saved before a first batch was followed) keeps the structural routing
+    it was saved with. Optimizers built already (FSDP2 restores after setup), still without state, get the
+    routing's groups before their states are loaded."""
+    if "graph" in saved:
+        module._muon_graph = GraphRoles.from_dict(saved["graph"])
+    elif resuming:
+        module._muon_graph = GraphRoles()
+    optimizers = module.trainer.optimizers if resuming else []
+    if optimizers and not any(o.state for o in optimizers):
+        routing = module.muon_routing()
+        if not holds(optimizers, routing):
+            correct_optimizers(module, routing)
+
+
+def restore_roles_before_loading(strategy: Strategy, checkpoint_path: Any) -> None:
+    """Before a distributed checkpoint (a directory, FSDP2) is read: its optimizer states load into the
+    optimizers as they stand, so they must hold the checkpoint's routing first (its ``meta.pt`` has the roles)."""
+    module = strategy.lightning_module
+    meta = Path(checkpoint_path) / "meta.pt" if isinstance(checkpoint_path, (str, Path)) else None
+    if meta is None or not meta.is_file() or not hasattr(module, "_muon_graph"):
+        return
+    saved = torch.load(meta, map_location="cpu", weights_only=False).get(CHECKPOINT_KEY)
+    if saved is not None:
+        restore_roles(module, saved, resuming=True)  # type: ignore[arg-type]  # a MuonMixin (checked above)

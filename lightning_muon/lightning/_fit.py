@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.lightning import _checkpoint, _checks, _compat
 from lightning_muon.lightning._config import MuonConfig
+from lightning_muon.lightning._first_batch import restore_roles_before_loading
 from lightning_muon.lightning._update_loop import UpdateSettings
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class FitState:
         flags (and ``GradientAccumulationScheduler``) for the mixin, and resolve them against ``config``."""
         trainer = module.trainer
         _checks.check_callbacks(module, config.muon_enabled)
-        _checkpoint.name_unreadable_checkpoints(trainer.strategy)
+        _checkpoint.name_unreadable_checkpoints(trainer.strategy, restore_roles_before_loading)
         flags = _compat.take_trainer_flags(trainer)
         try:
             return resolve(config, flags)

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.lightning import _checkpoint, _checks, _compat
 from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig, plain_data
-from lightning_muon.lightning._first_batch import FirstBatch, correct_optimizers, holds
+from lightning_muon.lightning._first_batch import FirstBatch, restore_roles
 from lightning_muon.lightning._fit import FitState
 from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings
 from lightning_muon.optim.muon import Muon
@@ -191,8 +191,15 @@ class MuonMixin(_LightningModuleBase):
     @property
     def muon_roles(self) -> GraphRoles | None:
         """What a fit's first training batch showed (output heads, input layers, hidden matrices), or ``None``
-        before one was seen; loaded from checkpoints with the weights."""
+        before one was seen; loaded from checkpoints with the weights. Set it (from
+        `lightning_muon.trace_roles`) before a fit to build the optimizers with it: no batch is followed then."""
         return self._muon_graph
+
+    @muon_roles.setter
+    def muon_roles(self, roles: GraphRoles | None) -> None:
+        if self._muon_fit is not None:
+            raise RuntimeError("muon_roles is set before a fit, not during one (its optimizers hold the routing)")
+        self._muon_graph = roles
 
     def muon_routing(self) -> Routing:
         """Where every trainable parameter goes (Muon or AdamW) and why: with ``muon=None``, all on AdamW.
@@ -356,15 +363,7 @@ class MuonMixin(_LightningModuleBase):
             if resuming:
                 _checkpoint.refuse_foreign_optimizer_states(checkpoint)
             return
-        if "graph" in saved:  # the routing it trained with: what its first batch showed
-            self._muon_graph = GraphRoles.from_dict(saved["graph"])
-        elif resuming:  # saved before any batch was followed: the structural routing
-            self._muon_graph = GraphRoles()
-        optimizers = trainer.optimizers if resuming and trainer is not None else []
-        if optimizers and not any(o.state for o in optimizers):  # built already: FSDP2 restores after setup
-            routing = self.muon_routing()
-            if not holds(optimizers, routing):
-                correct_optimizers(self, routing)
+        restore_roles(self, saved, resuming)
         if resuming:  # optimizer states follow: they must meet the parameters they were saved for
             current = _checkpoint.optimizer_names(self.muon_routing())
             _checkpoint.check_same_model(saved, current)

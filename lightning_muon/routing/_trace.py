@@ -18,8 +18,9 @@ carries: all of them, parallel heads included.
 
 The trace follows the batch itself, not the autograd graph: the batch does not require gradients, so it is not in
 that graph, and the constants that are (RoPE tables, masks) would read as data there. The trace is observation
-only: every call runs unchanged, and the trace's own bookkeeping never raises into the model (a failure there ends
-the trace, with no verdict). Its cost is one Python call per torch call of one forward, once.
+only: every call runs unchanged (compiled modules run eagerly during it), and the trace's own bookkeeping never
+raises into the model (a failure there ends the trace, with no verdict). Its cost is one Python call per torch
+call of one forward, once.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -158,13 +160,15 @@ class RoleTrace(TorchFunctionMode):
     the loss, then call `roles` with that loss.
 
     Args:
-        names: every trainable parameter by name (``module.named_parameters()``).
+        module: the model whose trainable parameters are the matrices to find.
         batch: the training batch (any nest of tensors).
     """
 
-    names: dict[str, Tensor]
+    module: nn.Module
     batch: Any
     _param_names: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    #: Leaf tensors that require gradients but are no parameter of the module (looked up once).
+    _strangers: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     #: Tensors computed from parameters alone -> the matrices among those parameters.
     _weights: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     #: Tensors from the batch.
@@ -178,17 +182,18 @@ class RoleTrace(TorchFunctionMode):
 
     def __post_init__(self) -> None:
         super().__init__()
-        for name, p in self.names.items():
-            self.add_parameter(name, p)
+        self._know_parameters()
         for t in _batch_tensors(self.batch):
             self._from_batch[t] = True
 
-    def add_parameter(self, name: str, p: Tensor) -> None:
-        """Know ``p`` as parameter ``name`` (FSDP2 swaps the registered parameters for unsharded ones during the
-        forward: `traced` adds those as each module runs)."""
-        if p.requires_grad and p not in self._param_names:
-            self._param_names[p] = name
-            self._weights[p] = frozenset({name}) if p.ndim >= 2 else frozenset()
+    def _know_parameters(self) -> None:
+        """Know every parameter the module holds now by its name. FSDP2 swaps the registered (sharded) parameters
+        for unsharded ones while a module runs: a parameter first met in a call is looked up again then."""
+        for prefix, mod in self.module.named_modules(remove_duplicate=False):
+            for name, p in mod.named_parameters(recurse=False):
+                if p.requires_grad and p not in self._param_names:
+                    self._param_names[p] = f"{prefix}.{name}" if prefix else name
+                    self._weights[p] = frozenset({self._param_names[p]}) if p.ndim >= 2 else frozenset()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -204,6 +209,12 @@ class RoleTrace(TorchFunctionMode):
         inputs = list(_tensors((args, kwargs)))
         if not inputs:
             return
+        new = [t for t in inputs if t.requires_grad and t.is_leaf and t not in self._param_names]
+        if any(t not in self._strangers for t in new):
+            self._know_parameters()
+            for t in new:
+                if t not in self._param_names:
+                    self._strangers[t] = True
         weights = [self._weights[t] for t in inputs if t in self._weights]
         others = [t for t in inputs if t not in self._weights]
         applied: frozenset[str] = frozenset().union(*weights)
@@ -266,24 +277,12 @@ class RoleTrace(TorchFunctionMode):
 @contextlib.contextmanager
 def traced(module: nn.Module, batch: Any) -> Iterator[RoleTrace]:
     """Follow the forward run inside this block (``with traced(model, batch) as trace: loss = ...``), then ask
-    ``trace.roles(loss)``. Modules' parameters are (re-)registered as each module runs, so FSDP2's unsharded
-    parameters are known by their names."""
-    trace = RoleTrace(names={n: p for n, p in module.named_parameters() if p.requires_grad}, batch=batch)
-    prefixes = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
-
-    def register(mod: nn.Module, args: Any) -> None:
-        prefix = prefixes.get(id(mod))
-        if prefix is None:
-            return
-        for p_name, p in mod.named_parameters(recurse=False):
-            trace.add_parameter(f"{prefix}.{p_name}" if prefix else p_name, p)
-
-    handle = nn.modules.module.register_module_forward_pre_hook(register)
-    try:
-        with trace:
-            yield trace
-    finally:
-        handle.remove()
+    ``trace.roles(loss)``."""
+    trace = RoleTrace(module=module, batch=batch)
+    # Compiled modules run eagerly while traced: compiling under the trace would recompile them for it, up to
+    # dynamo's limit, after which they would stay eager for the rest of training.
+    with torch.compiler.set_stance("force_eager"), trace:
+        yield trace
 
 
 def trace_roles(module: nn.Module, batch: Any, loss_of: Any) -> GraphRoles:

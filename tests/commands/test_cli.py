@@ -129,6 +129,9 @@ def test_inspect_prints_char_gpt_routing(capsys):
     assert rows["blocks.0.attn.qkv.weight"][-1] == "0.0346"  # 0.02 * sqrt(384 / 128)
     assert rows["wte.weight"][-1] == "0.003"
     assert "Muon: 16 tensors" in out
+    # the head as a fit finds it: from the config's first training batch, followed without training
+    assert rows["lm_head.weight"][3] == "output head: feeds the loss through no other matrix (first batch)"
+    assert "Output heads and input layers: from the first training batch, as a fit finds them." in out
 
 
 @pytest.mark.parametrize(

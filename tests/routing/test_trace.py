@@ -218,6 +218,22 @@ def test_the_trace_never_breaks_the_forward():
     assert found == GraphRoles.from_dict(found.to_dict())
 
 
+def test_a_compiled_model_is_traced_eagerly_and_compiles_once_afterwards(recwarn):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = seeded(Prescaled)
+    compiled = torch.compile(model, backend="eager")
+    batch = torch.randn(4, 3)
+    found = roles(model, batch, lambda b: compiled(b).square().mean())
+    assert found == roles(model, batch, lambda b: mse(model, b))
+    assert counters["stats"]["unique_graphs"] == 0  # nothing compiled under the trace
+    for _ in range(3):
+        compiled(batch)
+    assert counters["stats"]["unique_graphs"] == 1  # then compiled once, as without it
+    assert not [w for w in recwarn if "global hooks" in str(w.message)]
+
+
 def test_user_patterns_and_tables_outrank_the_batch():
     model = seeded(Prescaled)
     found = roles(model, torch.randn(4, 3), lambda b: mse(model, b))
