@@ -479,6 +479,9 @@ def test_load_side_reads_lr_and_seed_from_each_saved_config(tmp_path):
     write_seeded_log(side_dir / "again", 0.02, 1, [3.0, 2.3])
     with pytest.raises(ValueError, match=r"two runs at lr 0.02, seed 1"):
         load_side(side_dir)
+    (side_dir / "again" / "config.yaml").unlink()
+    with pytest.raises(ValueError, match=r"again: no config.yaml beside metrics.csv, so its lr and seed are unknown"):
+        load_side(side_dir)
 
 
 # --------------------------------------------------------------------------- tuning: the command, end to end

@@ -34,7 +34,15 @@ from lightning_muon.commands.compare.report import (
 from lightning_muon.commands.compare.run import main, split_overrides
 from lightning_muon.commands.compare.runs import Run, find_metrics, load_run, read_metrics, uses_muon
 from lightning_muon.commands.compare.sweep import MULTIPLIERS, SweptLr, best_lr, edge, lr_grid, swept_lr
-from lightning_muon.commands.compare.tuning import Progress, SideSpec, load_side, side_spec, subprocess_fit, tune
+from lightning_muon.commands.compare.tuning import (
+    Progress,
+    SideSpec,
+    fit_count,
+    load_side,
+    side_spec,
+    subprocess_fit,
+    tune,
+)
 
 __all__ = [
     "CLOCK",
@@ -53,6 +61,7 @@ __all__ = [
     "edge_notes",
     "find_metrics",
     "fit_arguments",
+    "fit_count",
     "fit_in_subprocess",
     "load_run",
     "load_side",

@@ -168,12 +168,15 @@ def markdown_report(
         "(`time/train_s` of `lightning_muon.WallClock`); wall time is from the start of training to its "
         "end, validation included. tokens/s is the tokens seen (all ranks) over the train time.",
     ]
-    if notes:
-        parts += ["", *[f"- {n}" for n in notes]]
+    return "\n".join([*parts, *report_end(notes, image, "validation loss by step and by training time", command)])
+
+
+def report_end(notes: Sequence[str], image: str | None, caption: str, command: str) -> list[str]:
+    """The end of a ``comparison.md``: the notes as a list, the plot, and the command that produced it."""
+    parts = ["", *[f"- {n}" for n in notes]] if notes else []
     if image:
-        parts += ["", f"![validation loss by step and by training time]({image})"]
-    parts += ["", "Produced by:", "", "```bash", command, "```", ""]
-    return "\n".join(parts)
+        parts += ["", f"![{caption}]({image})"]
+    return [*parts, "", "Produced by:", "", "```bash", command, "```", ""]
 
 
 def rich_table(rows: Sequence[Row], target: float | None) -> Table:

@@ -26,7 +26,16 @@ tokens/s, and the command line), and prints the table. The baseline is the run
 whose model has ``muon: null`` (read from the ``config.yaml`` LightningCLI
 saves with the logs), else the last run, or the one named by ``--baseline``.
 
-The functions that read logs and compute the table are pure and take plain
+With ``--sweep`` (or ``--multipliers``, ``--lrs``) and/or ``--seeds N`` it
+tunes first (`lightning_muon.commands.compare.tuned`): each config's lr swept at
+seed 0, seeds ``1..N-1`` at its best lr, the logs of each fit in
+``OUT/lightning_logs/<config name>/lr<lr>_seed<seed>/`` and its output in the
+``.out`` file beside them; then the tables are against the tuned baseline.
+
+    lightning-muon compare --sweep --seeds 2 gpt_muon.yaml gpt_adamw.yaml
+    lightning-muon compare --from-logs OUT/lightning_logs/gpt_muon OUT/lightning_logs/gpt_adamw   # again
+
+The functions that read logs and compute the tables are pure and take plain
 data, for tests and for use from Python.
 """
 
@@ -108,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
             "loss by step and by training time, against a baseline (the config with model.muon: null, else the "
             "last). Any other --key value argument goes to every fit, e.g. --trainer.limit_val_batches 5."
         ),
-        epilog="example: lightning-muon compare gpt_muon.yaml gpt_adamw.yaml --out results/compare",
+        epilog="examples: lightning-muon compare gpt_muon.yaml gpt_adamw.yaml --out results/compare; "
+               "lightning-muon compare --sweep --seeds 2 gpt_muon.yaml gpt_adamw.yaml (12 fits)",
     )
     parser.add_argument("configs", nargs="*", metavar="CONFIG",
                         help="LightningCLI config files to fit (or shipped configs by name: gpt_muon.yaml)")
@@ -119,7 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--val_points", "--val-points", type=int, default=12,
                         help="validations per run, when no --trainer.val_check_interval is given (default: 12)")
     parser.add_argument("--from-logs", "--from_logs", nargs="+", default=[], metavar="DIR", dest="from_logs",
-                        help="also compare these CSVLogger directories, without training")
+                        help="also compare these CSVLogger directories, without training (a directory of a "
+                             "config's runs from --sweep/--seeds is one side)")
     parser.add_argument("--baseline", default=None, metavar="NAME", help="the run to measure against, by name")
     tuned = parser.add_argument_group(
         "tuning", "each config is a side: its lr swept at seed 0 (the Muon lr; an AdamW-only config's AdamW lr), "

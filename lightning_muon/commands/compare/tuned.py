@@ -27,7 +27,7 @@ from lightning_muon.commands.compare.aggregate import (
 from lightning_muon.commands.compare.console import Console, machine_note
 from lightning_muon.commands.compare.fit import override_value
 from lightning_muon.commands.compare.plot import plot_tuned
-from lightning_muon.commands.compare.report import baseline_index, baseline_reason, uniquely_named
+from lightning_muon.commands.compare.report import baseline_index, baseline_reason, report_end, uniquely_named
 from lightning_muon.commands.compare.sweep import MULTIPLIERS, SweptLr, side_grid
 from lightning_muon.commands.compare.tuning import (
     Progress,
@@ -83,9 +83,12 @@ def run_tuned(args: argparse.Namespace, names: Sequence[str], overrides: Sequenc
         console.print(_plan_line(specs, seeds, log_root))
     fit = subprocess_fit(log_root, overrides, args.max_steps, args.val_points)
     sides = tune(specs, seeds, fit, Progress(fit_count(specs, seeds), console.print))
-    sides = uniquely_named([*sides, *(load_side(d) for d in args.from_logs)])
-    baseline = baseline_index(sides, args.baseline)
-    target, results = outcomes(sides, baseline)
+    try:
+        sides = uniquely_named([*sides, *(load_side(d) for d in args.from_logs)])
+        baseline = baseline_index(sides, args.baseline)
+        target, results = outcomes(sides, baseline)
+    except (ValueError, FileNotFoundError) as error:  # a run without val_loss, logs without their config, ...
+        raise SystemExit(f"lightning-muon compare: {error}") from None
     notes = [machine_note(load_before)]
     notes += [f"{s.name}: read from {d}." for s, d in zip(sides[len(specs):], args.from_logs, strict=True)]
     if specs:
@@ -117,10 +120,6 @@ def tuned_markdown(sides: Sequence[Side], results: Sequence[Outcome], target: fl
         f"Baseline: **{base.side}** ({reason}); its mean final validation loss {target:.4f} is the target.",
         resolution_note(results), SEEDS_NOTE,
     ]
-    if notes:
-        parts += ["", *[f"- {n}" for n in notes]]
-    if image:
-        parts += ["", f"![validation loss by step, by training time, and the lr sweeps]({image})"]
-    parts += ["", "Produced by:", "", "```bash", command, "```", ""]
-    return "\n".join(parts)
+    caption = "validation loss by step, by training time, and the lr sweeps"
+    return "\n".join([*parts, *report_end(notes, image, caption, command)])
 

@@ -7,7 +7,6 @@ fits and the choice of the best lr are tested without training; `subprocess_fit`
 
 from __future__ import annotations
 
-import math
 import os
 import shlex
 import shutil
@@ -171,7 +170,9 @@ def load_side(directory: str | os.PathLike, name: str | None = None) -> Side:
         config = _saved_config(run)
         swept = swept_lr(config)
         seed = config.get("seed_everything")
-        key = (math.nan if swept.lr is None else swept.lr, int(seed) if isinstance(seed, (int, float)) else 0)
+        if swept.lr is None:
+            raise ValueError(f"{run_dir}: its config.yaml has no {swept.key}, so the lr it ran at is unknown")
+        key = (swept.lr, int(seed) if isinstance(seed, (int, float)) else 0)
         if key in runs:
             raise ValueError(f"{directory}: two runs at lr {key[0]:g}, seed {key[1]}: {runs[key].source} and {run_dir}")
         runs[key] = run
