@@ -95,7 +95,7 @@ def plot_tuned(sides: Sequence[Side], baseline: int, path: str | os.PathLike, ti
     if swept:
         by_lr = axes[2]
         by_lr.set_xscale("log")
-        by_lr.set_xticks(sorted({lr for side in swept for lr in side.grid}))
+        by_lr.set_xticks(sorted({lr for side in sides for lr in side.grid}))
         by_lr.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
         by_lr.xaxis.set_minor_formatter(NullFormatter())
         by_lr.tick_params(axis="x", labelrotation=45, labelsize=8)
