@@ -547,6 +547,7 @@ def test_compare_sweep_end_to_end_then_from_logs(tmp_path, monkeypatch, capsys):
     assert "the tuned" not in verdict_line  # the baseline was not swept: it is not called tuned
     assert verdict_line in report and "tiny_adamw (baseline)" in report
     assert f"tiny_muon's best lr {best:g} is at the edge of its sweep (the" in report
+    assert "- 3 fits took " in report and f"--from-logs {logs / 'tiny_muon'} {logs / 'tiny_adamw'}" in report
     assert f"| tiny_muon | Muon lr (AdamW 0.003 on the rest) | {best:g} **best** |" in report
     png = (out / "comparison.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

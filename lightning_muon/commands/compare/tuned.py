@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -82,7 +83,9 @@ def run_tuned(args: argparse.Namespace, names: Sequence[str], overrides: Sequenc
     if specs:
         console.print(_plan_line(specs, seeds, log_root))
     fit = subprocess_fit(log_root, overrides, args.max_steps, args.val_points)
+    started = time.perf_counter()
     sides = tune(specs, seeds, fit, Progress(fit_count(specs, seeds), console.print))
+    fitted_s = time.perf_counter() - started
     try:
         sides = uniquely_named([*sides, *(load_side(d) for d in args.from_logs)])
         baseline = baseline_index(sides, args.baseline)
@@ -93,8 +96,9 @@ def run_tuned(args: argparse.Namespace, names: Sequence[str], overrides: Sequenc
     notes += [f"{s.name}: read from {d}." for s, d in zip(sides[len(specs):], args.from_logs, strict=True)]
     if specs:
         dirs = " ".join(shlex.quote(str(log_root / s.name)) for s in sides[: len(specs)])
-        notes.append(f"Each fit's command is at the top of its output, `{log_root}/<side>/<run>.out`; to tabulate "
-                     f"again without training: `lightning-muon compare --from-logs {dirs}`.")
+        notes.append(f"{fit_count(specs, seeds)} fits took {fitted_s / 60:.1f} min in all. Each fit's command is at "
+                     f"the top of its output, `{log_root}/<side>/<run>.out`; to tabulate again without training: "
+                     f"`lightning-muon compare --from-logs {dirs}`.")
     command = shlex.join(["lightning-muon", "compare", *argv])
     png = plot_tuned(sides, baseline, out / "comparison.png")
     reason = baseline_reason(sides, args.baseline, baseline)
