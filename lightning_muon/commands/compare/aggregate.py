@@ -101,7 +101,8 @@ def mean_curve(runs: Sequence[Run]) -> Curve:
 
 @dataclass(frozen=True)
 class Outcome:
-    """One side against the target (``None``: not reached, or not timed)."""
+    """One side against the target: its best lr, its mean curve, the first step of that curve at or below the
+    target and the mean train time there (``None``: not reached, or not timed), and each seed's own first step."""
 
     side: str
     lr: float
@@ -113,10 +114,12 @@ class Outcome:
 
     @property
     def last_step(self) -> int:
+        """The last validation step the side's seeds share."""
         return int(self.curve.steps[-1])
 
     @property
     def last_time(self) -> float | None:
+        """The seeds' mean train time at that step (None: not timed)."""
         return None if self.curve.time_mean is None else float(self.curve.time_mean[-1])
 
 
