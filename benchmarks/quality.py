@@ -6,14 +6,14 @@ Two examples, both through the real configs:
   4-layer width-128 byte-level GPT): a learning-rate sweep of each side at seed 0
   (AdamW-only: the AdamW lr; Muon + AdamW: the Muon lr, AdamW's lr on the
   embeddings, norms and head left at the config's), then more seeds at each side's
-  best lr, all for the same number of steps. Every fit is a subprocess of
-  ``python -m lightning_muon fit --config ... --seed_everything N
-  --data.init_args.seed N ...`` with `lightning_muon.WallClock` for time and
-  tokens (the arguments `lightning_muon.commands.compare.fit_arguments` gives), and the logs
-  are read with `lightning_muon.commands.compare.load_run`.
-  Reported: final val loss (mean, std, min-max over seeds), the step and the train
-  time at which the Muon side's mean curve first reaches the AdamW side's mean final
-  val loss, and tokens/s.
+  best lr, all for the same number of steps: the machinery of ``lightning-muon
+  compare --sweep --seeds N`` (`lightning_muon.commands.compare.tune`: every fit a
+  subprocess of ``lightning-muon fit --config ... --seed_everything N
+  --data.init_args.seed N ...`` with `lightning_muon.WallClock`), with this
+  benchmark's explicit lr grids, and its tables (`sweep_table`, `seeds_table`) and
+  plot (`plot_tuned`). Reported: final val loss (mean, std, min-max over seeds), the
+  step and the train time at which the Muon side's mean curve first reaches the
+  AdamW side's mean final val loss, and tokens/s, against the issue's targets.
 - ``digits_cnn`` (``cnn_muon.yaml``, its 5 epochs): test accuracy of Muon +
   AdamW against AdamW alone (a small AdamW lr sweep, best by mean accuracy) at
   equal epochs over seeds, fitted and tested in process through `MuonCLI`.
@@ -34,20 +34,31 @@ import datetime
 import io
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from rich.console import Console
 
-from lightning_muon.commands.compare import Run, fit_arguments, load_run, steps_to_reach
+from lightning_muon.commands.compare import (
+    Progress,
+    Side,
+    edge_notes,
+    fit_count,
+    outcomes,
+    plot_tuned,
+    resolution_note,
+    seeds_table,
+    side_spec,
+    spread,
+    subprocess_fit,
+    sweep_table,
+    tune,
+)
 
 import _common
 import _report
@@ -55,7 +66,6 @@ import _report
 ROOT = _common.ROOT
 RESULTS = ROOT / "benchmarks" / "results"
 GPT_MUON, GPT_ADAMW, CNN = "gpt_muon.yaml", "gpt_adamw.yaml", "cnn_muon.yaml"  # the shipped configs, by name
-MUON_LR = "--model.init_args.muon.init_args.lr"
 ADAMW_LR = "--model.init_args.adamw.init_args.lr"
 
 #: Settings of each mode: steps per GPT run, lrs swept per side, seeds at the best lr, CNN lrs and seeds.
@@ -76,172 +86,42 @@ THREADS: int | None = None
 # ------------------------------------------------------------------------------------------------- char_gpt
 
 
-@dataclass
-class Side:
-    """One side of the comparison: its config, the lr it sweeps and the runs it made."""
-
-    name: str
-    config: str
-    lr_flag: str
-    lrs: list[float]
-    sweep: dict[float, Run]
-    seeds: list[Run]
-    best: float | None = None
-
-
-def _run_name(side: str, lr: float, seed: int) -> str:
-    return f"{side}_lr{lr:g}_s{seed}"
-
-
-def fit_gpt(console: Console, side: Side, lr: float, seed: int, steps: int, val_points: int, val_batches: int,
-            log_root: Path, count: str) -> Run:
-    """One fit of ``side``'s config at ``lr`` and ``seed``, as a subprocess; its output goes to a log file."""
-    name = _run_name(side.name, lr, seed)
-    overrides = [side.lr_flag, f"{lr:g}", "--seed_everything", str(seed), "--data.init_args.seed", str(seed),
-                 "--trainer.limit_val_batches", str(val_batches), "--trainer.enable_progress_bar", "false"]
-    args = fit_arguments(side.config, log_root, name, overrides, steps, val_points)
-    shutil.rmtree(log_root / name, ignore_errors=True)
-    log_root.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+def gpt_sides(console: Console, lrs: dict[str, list[float]], seeds: int, steps: int, val_points: int,
+              val_batches: int, log_root: Path) -> list[Side]:
+    """Both sides (AdamW-only, then Muon + AdamW) swept and seeded by `lightning_muon.commands.compare.tune`, each
+    fit a subprocess with its output in a file beside its logs."""
+    overrides = ["--trainer.limit_val_batches", str(val_batches), "--trainer.enable_progress_bar", "false"]
+    specs = [side_spec(name, config, overrides, lambda _swept, name=name: lrs[name])
+             for name, config in (("adamw", GPT_ADAMW), ("muon", GPT_MUON))]
     env = dict(os.environ)
     if THREADS is not None:
         env["OMP_NUM_THREADS"] = str(THREADS)
-    with open(log_root / f"{name}.out", "w") as out:
-        result = subprocess.run([sys.executable, "-m", "lightning_muon", "fit", *args], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
-    if result.returncode != 0:
-        raise SystemExit(f"quality: {name} failed (exit {result.returncode}); see {log_root / f'{name}.out'}; "
-                         f"command: lightning-muon fit {shlex.join(args)}")
-    run = load_run(log_root / name, name)
-    console.print(f"[{count}] {side.name:5s} lr {lr:<6g} seed {seed}: final val loss {run.val_loss[-1]:.4f}, "
-                  f"train {run.train_s:.1f} s, {time.perf_counter() - start:.0f} s in all", highlight=False)
-    return run
+    fit = subprocess_fit(log_root, overrides, steps, val_points, env)
+    total = fit_count(specs, seeds)
+    console.rule(f"quality: char_gpt, {steps} steps a run, {total} runs (output in {log_root}/<side>/<run>.out)")
+    return tune(specs, seeds, fit, Progress(total, lambda line: console.print(line, highlight=False)))
 
 
-@dataclass(frozen=True)
-class Curve:
-    """Mean (and spread) over seeds of one side's runs at its best lr."""
-
-    steps: np.ndarray
-    loss_mean: np.ndarray
-    loss_min: np.ndarray
-    loss_max: np.ndarray
-    time_mean: np.ndarray
-    final: np.ndarray  # final val loss of each seed
-    tokens_per_s: np.ndarray  # of each seed
-    train_s: np.ndarray  # of each seed
-
-
-def mean_curve(runs: Sequence[Run]) -> Curve:
-    """The seeds' curves on their common validation steps."""
-    steps = sorted(set.intersection(*(set(r.val_steps) for r in runs)))
-    loss = np.array([[r.val_loss[r.val_steps.index(s)] for s in steps] for r in runs])
-    times = np.array([[r.val_time_s[r.val_steps.index(s)] for s in steps] for r in runs])
-    return Curve(
-        steps=np.array(steps), loss_mean=loss.mean(0), loss_min=loss.min(0), loss_max=loss.max(0),
-        time_mean=times.mean(0), final=loss[:, -1],
-        tokens_per_s=np.array([r.tokens / r.train_s for r in runs]), train_s=np.array([r.train_s for r in runs]),
-    )
-
-
-def _spread(values: np.ndarray, spec: str = ".4f") -> str:
-    if len(values) == 1:
-        return format(values[0], spec)
-    return (f"{values.mean():{spec}} ± {values.std(ddof=1):{spec}} "
-            f"({values.min():{spec}}–{values.max():{spec}})")
-
-
-def gpt_tables(muon: Side, adamw: Side, steps: int) -> tuple[str, list[str], dict]:
-    """The sweep table, the seeds table, the verdict lines, and the numbers (for the caller)."""
-    lines = ["| side | lr swept | lr | final val loss (seed 0) | train time (s) | tokens/s |",
-             "|---|---|---:|---:|---:|---:|"]
-    for side, what in ((adamw, "AdamW lr (all params)"), (muon, "Muon lr (AdamW 0.003 on the rest)")):
-        for lr in side.lrs:
-            run = side.sweep[lr]
-            mark = " **best**" if lr == side.best else ""
-            lines.append(f"| {side.name} | {what} | {lr:g}{mark} | {run.val_loss[-1]:.4f} | {run.train_s:.1f} | "
-                         f"{run.tokens / run.train_s:,.0f} |")
-    sweep = "\n".join(lines)
-
-    m, a = mean_curve(muon.seeds), mean_curve(adamw.seeds)
-    target = float(a.loss_mean[-1])
-    a_steps, a_time = int(a.steps[-1]), float(a.time_mean[-1])
-    reached = steps_to_reach(m.steps.tolist(), m.loss_mean.tolist(), target)
-    m_time = None if reached is None else float(m.time_mean[m.steps.tolist().index(reached)])
-    per_seed = [steps_to_reach(r.val_steps, r.val_loss, target) for r in muon.seeds]
-    seeds_n = len(muon.seeds)
-    lines = [
-        f"| side | lr | seeds | final val loss (mean ± std, min–max) | steps to {target:.4f} | "
-        f"train time to {target:.4f} (s) | train time (s) | tokens/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-        f"| adamw (baseline) | {adamw.best:g} | {len(adamw.seeds)} | {_spread(a.final)} | {a_steps} | {a_time:.1f} | "
-        f"{a.train_s.mean():.1f} | {a.tokens_per_s.mean():,.0f} |",
-        f"| muon | {muon.best:g} | {seeds_n} | {_spread(m.final)} | "
-        + ("not reached" if reached is None else f"{reached} ({reached / a_steps:.2f}x)")
-        + " | " + ("n/a" if m_time is None else f"{m_time:.1f} ({m_time / a_time:.2f}x)")
-        + f" | {m.train_s.mean():.1f} | {m.tokens_per_s.mean():,.0f} |",
-    ]
-    seeds_table = "\n".join(lines)
-    ok_steps = reached is not None and reached / a_steps <= TARGET_STEPS
-    ok_time = m_time is not None and m_time / a_time <= TARGET_TIME
+def gpt_tables(sides: list[Side], steps: int) -> tuple[str, list[str], dict]:
+    """The sweep table, the seeds table and the verdict lines against the issue's targets, and the numbers.
+    ``sides``: AdamW-only (the baseline) first, then Muon + AdamW."""
+    target, (a, m) = outcomes(sides, baseline=0)
+    ok_steps = m.steps_to is not None and m.steps_to / a.last_step <= TARGET_STEPS
+    ok_time = m.time_to is not None and a.last_time is not None and m.time_to / a.last_time <= TARGET_TIME
     verdict = [
         f"Target ({steps} steps): Muon + AdamW reaches the tuned AdamW's final val loss ({target:.4f}, mean of "
-        f"{len(adamw.seeds)} seeds) in <= {TARGET_STEPS}x its steps: "
+        f"{len(a.curve.final)} seeds) in <= {TARGET_STEPS}x its steps: "
         + ("**met**" if ok_steps else "**missed**")
-        + ("" if reached is None else f" ({reached} of {a_steps} steps = {reached / a_steps:.2f}x; per seed: "
-           + ", ".join("not reached" if s is None else str(s) for s in per_seed) + ")")
+        + ("" if m.steps_to is None else f" ({m.steps_to} of {a.last_step} steps = {m.steps_to / a.last_step:.2f}x; "
+           "per seed: " + ", ".join("not reached" if s is None else str(s) for s in m.per_seed_steps_to) + ")")
         + f"; in <= {TARGET_TIME}x its train time: " + ("**met**" if ok_time else "**missed**")
-        + ("" if m_time is None else f" ({m_time:.1f} of {a_time:.1f} s = {m_time / a_time:.2f}x)") + ".",
-        "\"Steps to\" is the first validation of the Muon side's mean curve at or below the target, so it is an "
-        f"upper bound at the resolution of the validations (every {int(m.steps[1] - m.steps[0])} steps).",
+        + ("" if m.time_to is None or a.last_time is None
+           else f" ({m.time_to:.1f} of {a.last_time:.1f} s = {m.time_to / a.last_time:.2f}x)") + ".",
+        resolution_note([a, m]),
     ]
-    numbers = dict(target=target, reached=reached, m_time=m_time, a_time=a_time, a_steps=a_steps,
-                   muon_final=m.final, adamw_final=a.final)
-    return sweep, [seeds_table, *verdict], numbers
-
-
-def plot_quality(muon: Side, adamw: Side, path: Path) -> None:
-    """val loss by step and by train time (mean over seeds, min-max band) and the sweeps' final loss by lr."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(16, 4.8), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    by_step, by_time, by_lr = fig.subplots(1, 3)
-    by_time.sharey(by_step)
-    a = mean_curve(adamw.seeds)
-    target = float(a.loss_mean[-1])
-    for side, color in ((muon, "tab:blue"), (adamw, "tab:orange")):
-        c = mean_curve(side.seeds)
-        label = f"{side.name} lr {side.best:g} (mean of {len(side.seeds)} seeds, band min–max)"
-        for ax, x in ((by_step, c.steps), (by_time, c.time_mean)):
-            ax.plot(x, c.loss_mean, color=color, marker="o", markersize=3, label=label)
-            ax.fill_between(x, c.loss_min, c.loss_max, color=color, alpha=0.25, linewidth=0)
-        lrs = side.lrs
-        by_lr.plot(lrs, [side.sweep[lr].val_loss[-1] for lr in lrs], color=color, marker="o",
-                   label=f"{side.name}: {'Muon' if side is muon else 'AdamW'} lr, seed 0")
-    for ax in (by_step, by_time):
-        ax.axhline(target, color="gray", linestyle=":", linewidth=1, label="AdamW's mean final val loss")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_ylabel("validation loss (nats)")
-    by_step.set_xlabel("step (optimizer updates)")
-    by_step.set_title("char_gpt: validation loss by step")
-    by_time.set_xlabel("training time (s, validation excluded)")
-    by_time.set_title("by training time")
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
-    by_lr.set_xscale("log")
-    by_lr.set_xticks(sorted({*muon.lrs, *adamw.lrs}))
-    by_lr.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-    by_lr.xaxis.set_minor_formatter(NullFormatter())
-    by_lr.tick_params(axis="x", labelrotation=45, labelsize=8)
-    by_lr.set_xlabel("learning rate swept")
-    by_lr.set_ylabel("final validation loss")
-    by_lr.set_title("lr sweep (seed 0)")
-    by_lr.grid(True, alpha=0.3)
-    by_lr.legend(fontsize=8)
-    fig.savefig(path)
+    numbers = dict(target=target, reached=m.steps_to, m_time=m.time_to, a_time=a.last_time, a_steps=a.last_step,
+                   muon_final=m.curve.final, adamw_final=a.curve.final)
+    return sweep_table(sides), [seeds_table(target, [a, m]), *verdict], numbers
 
 
 # ------------------------------------------------------------------------------------------------ digits_cnn
@@ -301,7 +181,7 @@ def cnn_benchmark(console: Console, adamw_lrs: Sequence[float], seeds: int) -> t
     lines = ["| run | seeds | test accuracy (mean ± std, min–max) | per seed |", "|---|---:|---:|---|"]
     for label, accs in results.items():
         mark = " **best AdamW**" if label == best_adamw else ""
-        lines.append(f"| {label}{mark} | {len(accs)} | {_spread(accs)} | {', '.join(f'{a:.4f}' for a in accs)} |")
+        lines.append(f"| {label}{mark} | {len(accs)} | {spread(accs)} | {', '.join(f'{a:.4f}' for a in accs)} |")
     muon = next(v for k, v in results.items() if k.startswith("muon"))
     ok = muon.mean() >= results[best_adamw].mean()
     verdict = ("Target (5 epochs): Muon's test accuracy at least the best AdamW's: "
@@ -361,33 +241,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     command = shlex.join(["python", "benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)])
 
-    muon = Side("muon", GPT_MUON, MUON_LR, list(cfg["muon_lrs"]), {}, [])
-    adamw = Side("adamw", GPT_ADAMW, ADAMW_LR, list(cfg["adamw_lrs"]), {}, [])
-    total = len(muon.lrs) + len(adamw.lrs) + 2 * (cfg["seeds"] - 1)
-    done = 0
-    console.rule(f"quality ({mode}): char_gpt, {cfg['steps']} steps a run, {total} runs")
-    for side in (adamw, muon):
-        for lr in side.lrs:
-            done += 1
-            side.sweep[lr] = fit_gpt(console, side, lr, 0, cfg["steps"], cfg["val_points"], cfg["val_batches"],
-                                     log_root, f"{done}/{total}")
-        side.best = min(side.lrs, key=lambda lr: side.sweep[lr].val_loss[-1])
-        side.seeds = [side.sweep[side.best]]
-    for side in (adamw, muon):
-        for seed in range(1, cfg["seeds"]):
-            done += 1
-            side.seeds.append(fit_gpt(console, side, side.best, seed, cfg["steps"], cfg["val_points"],
-                                      cfg["val_batches"], log_root,
-                                      f"{done}/{total}"))
+    sides = gpt_sides(console, {"muon": list(cfg["muon_lrs"]), "adamw": list(cfg["adamw_lrs"])}, cfg["seeds"],
+                      cfg["steps"], cfg["val_points"], cfg["val_batches"], log_root)
     gpt_s = time.perf_counter() - started
-    sweep, seeds_lines, _numbers = gpt_tables(muon, adamw, cfg["steps"])
+    sweep, seeds_lines, _numbers = gpt_tables(sides, cfg["steps"])
     target = RESULTS if args.write else Path(args.out) if args.out else None
     png = (target or RESULTS) / f"quality{suffix}.png"
     if target is not None:
         target.mkdir(parents=True, exist_ok=True)
-        plot_quality(muon, adamw, png)
-    edges = [f"{s.name}'s best lr {s.best:g} is at the edge of its sweep: a wider sweep may find better"
-             for s in (muon, adamw) if s.best in (min(s.lrs), max(s.lrs)) and len(s.lrs) > 1]
+        plot_tuned(sides[::-1], 1, png, title="char_gpt")
+    edges = edge_notes(sides)
 
     cnn_parts: list[str] = []
     if not args.no_cnn:

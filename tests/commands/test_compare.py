@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -11,19 +12,36 @@ import yaml
 from lightning_muon.commands.cli import main
 from lightning_muon.commands.compare import (
     CLOCK,
+    MULTIPLIERS,
+    Progress,
     Run,
+    Side,
+    SideSpec,
+    SweptLr,
     baseline_index,
+    best_lr,
+    edge,
+    edge_notes,
     fit_arguments,
     load_run,
+    load_side,
+    lr_grid,
     markdown_report,
+    outcomes,
     read_metrics,
+    seeds_table,
     split_overrides,
     steps_to_reach,
     summarize,
+    sweep_table,
+    swept_lr,
     table_cells,
+    tune,
     val_check_interval,
+    verdict,
 )
-from lightning_muon.commands.config_files import shipped_configs
+from lightning_muon.commands.compare.sweep import check_multipliers, check_seeds, parse_lrs, side_grid
+from lightning_muon.commands.config_files import merged_config, shipped_configs
 
 CONFIGS = shipped_configs()
 FIELDS = ["epoch", "step", "train_loss", "val_loss", "val_bpb", "time/elapsed_s", "time/train_s", "time/samples",
@@ -207,17 +225,23 @@ def test_fit_arguments_resolve_with_every_shipped_config(config, tmp_path, monke
 # --------------------------------------------------------------------------------------- the real command
 
 
-@pytest.mark.slow
-def test_compare_two_tiny_configs_end_to_end(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "tiny_muon.yaml").write_text(
+def tiny_configs(directory: Path) -> None:
+    """``tiny_muon.yaml`` (gpt_muon.yaml at one layer of width 32, 32-byte windows, batches of 4) and
+    ``tiny_adamw.yaml`` (the same with ``muon: null``): a fit takes seconds."""
+    (directory / "tiny_muon.yaml").write_text(
         "# extends: gpt_muon.yaml\n"  # no such file here: the shipped one
         "trainer: {max_steps: 6, limit_val_batches: 2, log_every_n_steps: 2, enable_progress_bar: false}\n"
         "data:\n  init_args: {block_size: 32, batch_size: 4, max_bytes: 200000, val_batches: 2, "
-        f"cache_dir: {tmp_path / 'cache'}}}\n"
+        f"cache_dir: {directory / 'cache'}}}\n"
         "model:\n  init_args: {n_layer: 1, n_embd: 32, block_size: 32}\n"
     )
-    (tmp_path / "tiny_adamw.yaml").write_text("# extends: tiny_muon.yaml\nmodel:\n  init_args:\n    muon: null\n")
+    (directory / "tiny_adamw.yaml").write_text("# extends: tiny_muon.yaml\nmodel:\n  init_args:\n    muon: null\n")
+
+
+@pytest.mark.slow
+def test_compare_two_tiny_configs_end_to_end(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    tiny_configs(tmp_path)
     out = tmp_path / "out"
     configs = [str(tmp_path / "tiny_adamw.yaml"), str(tmp_path / "tiny_muon.yaml")]
     main(["compare", *configs, "--out", str(out), "--max_steps", "4", "--trainer.limit_val_batches", "1"])
@@ -269,3 +293,266 @@ def test_compare_checks_matplotlib_before_any_fit(monkeypatch, capsys):
         main(["compare", "gpt_muon.yaml", "gpt_adamw.yaml"])
     assert exit_info.value.code == 2
     assert "compare draws its plot with matplotlib: pip install matplotlib" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- tuning: the sweep, pure
+
+MUON_KEY, ADAMW_KEY = "model.init_args.muon.init_args.lr", "model.init_args.adamw.init_args.lr"
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "expected"),
+    [
+        ("gpt_muon.yaml", [], SweptLr(MUON_KEY, "Muon", 0.02, 0.003)),
+        ("gpt_adamw.yaml", [], SweptLr(ADAMW_KEY, "AdamW", 0.00075)),
+        ("gpt_muon.yaml", ["--model.init_args.muon", "null"], SweptLr(ADAMW_KEY, "AdamW", 0.003)),
+        ("gpt_muon.yaml", [f"--{MUON_KEY}=0.05", f"--{ADAMW_KEY}", "1e-3"], SweptLr(MUON_KEY, "Muon", 0.05, 0.001)),
+        ("gpt_adamw.yaml", ["--model.init_args.muon", "null", f"--{ADAMW_KEY}", "0.002"],
+         SweptLr(ADAMW_KEY, "AdamW", 0.002)),
+    ],
+    ids=["muon", "adamw-only", "muon null given", "lrs given", "adamw lr given"],
+)
+def test_swept_lr_reads_the_muon_lr_or_the_adamw_only_lr(config, overrides, expected):
+    assert swept_lr(merged_config(config), overrides) == expected
+
+
+def test_swept_lr_of_a_config_that_does_not_say():
+    swept = swept_lr({"model": {"init_args": {"n_layer": 2}}})  # no muon written: the mixin's default Muon
+    assert (swept.key, swept.lr, swept.rest_lr) == (MUON_KEY, None, None)
+    assert swept.describe() == "Muon lr (AdamW the config's on the rest)"
+    assert swept_lr(merged_config("gpt_muon.yaml")).describe() == "Muon lr (AdamW 0.003 on the rest)"
+    assert swept_lr(merged_config("gpt_adamw.yaml")).describe() == "AdamW lr (all params)"
+
+
+def test_lr_grid_is_the_config_lr_times_the_multipliers():
+    assert MULTIPLIERS == (0.25, 0.5, 1.0, 2.0, 4.0)
+    assert lr_grid(0.02) == [0.005, 0.01, 0.02, 0.04, 0.08]
+    assert lr_grid(0.00075) == [0.0001875, 0.000375, 0.00075, 0.0015, 0.003]
+    assert lr_grid(0.1, [3, 1 / 3, 1, 1]) == [0.0333333, 0.1, 0.3]  # 6 significant digits, sorted, no repeat
+
+
+def test_side_grid_explicit_multiplied_or_alone():
+    swept = SweptLr(MUON_KEY, "Muon", 0.02)
+    assert side_grid("m", swept, None, None) == [0.02]  # --seeds without a sweep: the config's lr
+    assert side_grid("m", swept, [1, 2], None) == [0.02, 0.04]
+    assert side_grid("m", swept, [1, 2], [0.3, 0.1]) == [0.1, 0.3]  # --lrs wins
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: check_multipliers([0.5, -1.0]), r"--multipliers: every multiplier must be a positive number, got -1"),
+        (lambda: check_multipliers([0.0]), r"positive number, got 0 \(the default grid is 0.25,0.5,1,2,4\)"),
+        (lambda: check_multipliers([float("nan")]), r"got nan"),
+        (lambda: check_multipliers([]), r"give at least one multiplier"),
+        (lambda: check_seeds(0), r"--seeds must be >= 1 .*got 0"),
+        (lambda: parse_lrs(["nope=0.1"], ["a", "b"]),
+         r"--lrs 'nope=0.1': expected NAME=LR,LR,\.\.\. with NAME one of a, b"),
+        (lambda: parse_lrs(["a=0.1,x"], ["a"]), r"the lrs must be numbers separated by commas"),
+        (lambda: parse_lrs(["a=0.1", "a=0.2"], ["a"]), r"--lrs: a is given twice"),
+        (lambda: parse_lrs(["a=0.1,-0.2"], ["a"]), r"--lrs a=\.\.\.: every lr must be a positive number, got -0.2"),
+        (lambda: side_grid("m", SweptLr(MUON_KEY, "Muon", None), [1, 2], None),
+         r"m: no Muon lr to sweep around: the config does not set model\.init_args\.muon\.init_args\.lr\. Write it in "
+         r"the config, pass --model\.init_args\.muon\.init_args\.lr LR, or give the lrs: --lrs m=LR,LR"),
+        (lambda: side_grid("a", SweptLr(ADAMW_KEY, "AdamW", None), None, None), r"a: no AdamW lr to seed"),
+    ],
+)
+def test_bad_sweep_settings_are_errors_naming_the_value_and_the_fix(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_best_lr_skips_diverged_runs_and_edges_are_named():
+    assert best_lr({0.01: 2.0, 0.02: 1.5, 0.04: float("nan")}) == 0.02
+    assert best_lr({0.01: float("nan"), 0.02: float("nan")}) == 0.01  # all diverged: still an answer
+    assert edge(0.01, [0.01, 0.02]) == "lowest" and edge(0.02, [0.01, 0.02]) == "highest"
+    assert edge(0.02, [0.01, 0.02, 0.04]) is None and edge(0.02, [0.02]) is None
+
+
+# --------------------------------------------------------------------------- tuning: fits in order, aggregates
+
+
+def curve_run(name: str, losses: list[float], seconds: float = 1.0, tokens: float | None = 1000.0) -> Run:
+    """A run validated at steps 10, 20, ... with train time ``seconds`` per 10 steps."""
+    steps = tuple(10 * (i + 1) for i in range(len(losses)))
+    return Run(name, steps, tuple(losses), val_time_s=tuple(seconds * i / 10 for i in steps),
+               train_s=seconds * len(losses), tokens=tokens, samples=8.0 * len(losses))
+
+
+def test_tune_sweeps_at_seed_0_then_seeds_the_best_lr():
+    # final loss by (side, lr): the muon side is best at 0.02, the adamw side at its lowest lr
+    finals = {("m", 0.01): 2.0, ("m", 0.02): 1.5, ("m", 0.04): 1.8, ("a", 0.001): 2.2, ("a", 0.002): 2.4}
+    specs = [SideSpec("m", "m.yaml", SweptLr(MUON_KEY, "Muon", 0.02), (0.01, 0.02, 0.04)),
+             SideSpec("a", "a.yaml", SweptLr(ADAMW_KEY, "AdamW", 0.001), (0.001, 0.002))]
+    calls = []
+
+    def fit(spec, lr, seed):
+        calls.append((spec.name, lr, seed))
+        return curve_run(f"{spec.name} {lr} {seed}", [3.0, finals[spec.name, lr] + 0.01 * seed])
+
+    lines: list[str] = []
+    ticks = iter(range(100))
+    sides = tune(specs, 3, fit, Progress(9, lines.append, clock=lambda: 60.0 * next(ticks)))
+    assert calls == [("m", 0.01, 0), ("m", 0.02, 0), ("m", 0.04, 0), ("a", 0.001, 0), ("a", 0.002, 0),
+                     ("m", 0.02, 1), ("m", 0.02, 2), ("a", 0.001, 1), ("a", 0.001, 2)]
+    muon, adamw = sides
+    assert (muon.best, adamw.best) == (0.02, 0.001) and muon.grid == [0.01, 0.02, 0.04]
+    assert [r.name for r in muon.seeds] == ["m 0.02 0", "m 0.02 1", "m 0.02 2"]
+    assert muon.seeds[0] is muon.sweep[0.02]  # seed 0 is the sweep's run, not fitted twice
+    assert len(lines) == 9 and lines[2].startswith("[3/9] m Muon lr 0.04 seed 0: final val loss 1.8000, train 2.0 s")
+    assert lines[2].endswith("about 6.0 min left, 9.0 min in all")  # a minute a fit by the fake clock
+    assert "left" not in lines[-1]
+
+
+def two_sides() -> list[Side]:
+    muon = Side("muon", SweptLr(MUON_KEY, "Muon", 0.02, 0.003))
+    muon.sweep = {0.01: curve_run("m1", [3.0, 2.6, 2.4, 2.3]), 0.02: curve_run("m2", [2.8, 2.2, 2.0, 1.9], 1.1)}
+    muon.seeds = [muon.sweep[0.02], curve_run("m2s1", [2.8, 2.4, 2.1, 2.1], 1.3)]
+    adamw = Side("adamw", SweptLr(ADAMW_KEY, "AdamW", 0.001))
+    adamw.sweep = {0.001: curve_run("a1", [3.1, 2.7, 2.5, 2.3], 0.9), 0.002: curve_run("a2", [3.0, 2.8, 2.6, 2.5])}
+    adamw.seeds = [adamw.sweep[0.001], curve_run("a1s1", [3.1, 2.7, 2.5, 2.5], 0.9)]
+    return [muon, adamw]
+
+
+def test_outcomes_tables_and_verdict_against_the_tuned_baseline():
+    sides = two_sides()
+    target, (muon, adamw) = outcomes(sides, baseline=1)
+    assert target == pytest.approx(2.4)  # the baseline's mean final (2.3 and 2.5)
+    assert muon.curve.loss_mean.tolist() == pytest.approx([2.8, 2.3, 2.05, 2.0])
+    assert (muon.steps_to, muon.time_to) == (20, pytest.approx(2.4))  # mean of 2.2 and 2.6 s at step 20
+    assert muon.per_seed_steps_to == (20, 20)
+    assert (adamw.steps_to, adamw.last_step, adamw.last_time) == (40, 40, pytest.approx(3.6))
+    table = seeds_table(target, [muon, adamw])
+    assert "| muon | 0.02 | 2 | 2.0000 ± 0.1414 (1.9000–2.1000) | 20 (0.50x) | 2.4 (0.67x) | 4.8 | 210 |" in table
+    assert "| adamw (baseline) | 0.001 | 2 | 2.4000 ± 0.1414 (2.3000–2.5000) | 40 | 3.6 | 3.6 | 278 |" in table
+    (line,) = verdict(target, [muon, adamw], sides)
+    assert line == ("Verdict: muon (lr 0.02) reaches the tuned adamw's final val loss 2.4000 (lr 0.001) in 0.50x "
+                    "its steps (20 of 40) and 0.67x its train time (2.4 of 3.6 s); final val loss 2.0000 against "
+                    "2.4000 (means over 2 and 2 seeds).")
+    sweep = sweep_table(sides)
+    assert "| muon | Muon lr (AdamW 0.003 on the rest) | 0.02 **best** | 1.9000 | 4.4 | 227 |" in sweep
+    assert "| adamw | AdamW lr (all params) | 0.001 **best** | 2.3000 | 3.6 | 278 |" in sweep
+    assert edge_notes(sides) == [
+        "muon's best lr 0.02 is at the edge of its sweep (the highest of 0.01, 0.02): a wider sweep may find better",
+        "adamw's best lr 0.001 is at the edge of its sweep (the lowest of 0.001, 0.002): a wider sweep may find "
+        "better",
+    ]
+
+
+def test_a_side_that_does_not_reach_the_target_says_so():
+    muon, adamw = two_sides()
+    target, results = outcomes([adamw, muon], baseline=1)  # now the muon side is the baseline: 2.0
+    assert results[0].steps_to is None
+    assert "| adamw | 0.001 | 2 | 2.4000 ± 0.1414 (2.3000–2.5000) | not reached | n/a |" in seeds_table(target, results)
+    (line,) = verdict(target, results, [adamw, muon])
+    assert line.startswith("Verdict: adamw (lr 0.001) does not reach the tuned muon's final val loss 2.0000 (lr "
+                           "0.02) in 40 steps: final val loss 2.4000 against 2.0000")
+
+
+def test_a_run_without_validation_cannot_be_tuned():
+    side = Side("m", SweptLr(MUON_KEY, "Muon", 0.02), sweep={0.02: Run("m", (), (), source="logs/m")})
+    with pytest.raises(ValueError, match=r"m logged no val_loss \(logs/m\): it cannot be compared"):
+        _ = side.best
+
+
+def write_seeded_log(directory: Path, lr: float, seed: int, losses: list[float], muon: bool = True) -> Path:
+    """A run directory as ``compare --sweep`` leaves it: metrics.csv and the config.yaml LightningCLI saves."""
+    write_log(directory, timed_run(losses, [1.0 * (i + 1) for i in range(len(losses))], tokens=4000), muon=None)
+    factory = {"class_path": "lightning_muon.Muon", "init_args": {"lr": lr}} if muon else None
+    config = {"seed_everything": seed, "model": {"init_args": {
+        "muon": factory, "adamw": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 0.003 if muon else lr}}}}}
+    (directory / "config.yaml").write_text(yaml.safe_dump(config))
+    return directory
+
+
+def test_load_side_reads_lr_and_seed_from_each_saved_config(tmp_path):
+    side_dir = tmp_path / "gpt_muon"
+    write_seeded_log(side_dir / "lr0.01_seed0", 0.01, 0, [3.0, 2.5])
+    write_seeded_log(side_dir / "lr0.02_seed0", 0.02, 0, [3.0, 2.2])
+    write_seeded_log(side_dir / "lr0.02_seed1", 0.02, 1, [3.0, 2.3])
+    (side_dir / "lr0.02_seed0.out").write_text("output")
+    side = load_side(side_dir)
+    assert (side.name, side.muon, side.grid, side.best) == ("gpt_muon", True, [0.01, 0.02], 0.02)
+    assert [r.val_loss[-1] for r in side.seeds] == [2.2, 2.3]
+    one = load_side(side_dir / "lr0.01_seed0", "one")  # a single run's directory is a side of one run
+    assert (one.grid, len(one.seeds)) == ([0.01], 1)
+    write_seeded_log(side_dir / "again", 0.02, 1, [3.0, 2.3])
+    with pytest.raises(ValueError, match=r"two runs at lr 0.02, seed 1"):
+        load_side(side_dir)
+    (side_dir / "again" / "config.yaml").unlink()
+    with pytest.raises(ValueError, match=r"again: no config.yaml beside metrics.csv, so its lr and seed are unknown"):
+        load_side(side_dir)
+
+
+# --------------------------------------------------------------------------- tuning: the command, end to end
+
+NO_LR = "model:\n  class_path: lightning_muon.examples.char_gpt.CharGPT\n  init_args: {n_layer: 1}\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--seeds", "0", "gpt_muon.yaml"], r"--seeds must be >= 1 \(seeds 0..N-1 at each side's best lr\), got 0"),
+        (["--multipliers", "0.5,0,2", "gpt_muon.yaml"], r"every multiplier must be a positive number, got 0"),
+        (["--multipliers", "half", "gpt_muon.yaml"], r"expected numbers separated by commas, e.g. 0.5,1,2; got 'half'"),
+        (["--lrs", "gpt_adam=0.001", "gpt_muon.yaml", "gpt_adamw.yaml"],
+         r"--lrs 'gpt_adam=0.001': expected NAME=LR,LR,... with NAME one of gpt_muon, gpt_adamw"),
+        (["--sweep", "no_lr.yaml"], r"no_lr: no Muon lr to sweep around: the config does not set "
+                                    r"model.init_args.muon.init_args.lr"),
+        (["--seeds", "2", "gpt_muon.yaml", "--seed_everything", "3"], r"set the seeds themselves \(0..N-1\): drop "
+                                                                      r"--seed_everything"),
+    ],
+    ids=["seeds 0", "multiplier 0", "multiplier not a number", "lrs of no config", "no lr", "seed given"],
+)
+def test_bad_tuning_arguments_stop_before_any_fit(argv, message, tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "no_lr.yaml").write_text(NO_LR)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("a fit started"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", *argv, "--out", str(tmp_path / "out")])
+    shown = str(exit_info.value.code) + capsys.readouterr().err
+    assert re.search(message, shown), shown
+
+
+@pytest.mark.slow
+def test_compare_sweep_end_to_end_then_from_logs(tmp_path, monkeypatch, capsys):
+    """Three tiny fits through the real command: the Muon side at two lrs, the AdamW side at its own (x1)."""
+    monkeypatch.chdir(tmp_path)
+    tiny_configs(tmp_path)
+    out = tmp_path / "out"
+    main(["compare", "tiny_muon.yaml", "tiny_adamw.yaml", "--sweep", "--multipliers", "1",
+          "--lrs", "tiny_muon=0.01,0.04", "--max_steps", "3", "--trainer.limit_val_batches", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "compare: 3 fits (tiny_muon: Muon lr 0.01, 0.04; tiny_adamw: AdamW lr 0.003; at seed 0)" in printed
+    progress = [line for line in printed.splitlines() if line.startswith("[")]
+    assert [line.split(":")[0] for line in progress] == [
+        "[1/3] tiny_muon Muon lr 0.01 seed 0", "[2/3] tiny_muon Muon lr 0.04 seed 0",
+        "[3/3] tiny_adamw AdamW lr 0.003 seed 0",
+    ]
+    assert "left, " in progress[0] and "left" not in progress[-1]
+
+    logs = out / "lightning_logs"
+    saved = yaml.safe_load((logs / "tiny_muon" / "lr0.04_seed0" / "config.yaml").read_text())
+    assert saved["model"]["init_args"]["muon"]["init_args"]["lr"] == 0.04  # the sweep's lr reached the fit
+    assert saved["seed_everything"] == 0 and saved["data"]["init_args"]["seed"] == 0
+    assert (logs / "tiny_adamw" / "lr0.003_seed0.out").read_text().startswith("$ lightning-muon fit --config ")
+
+    sides = {s.name: s for s in (load_side(logs / "tiny_muon"), load_side(logs / "tiny_adamw"))}
+    best = sides["tiny_muon"].best
+    report = (out / "comparison.md").read_text()
+    verdict_line = next(line for line in printed.splitlines() if line.startswith("Verdict: "))
+    assert verdict_line.startswith(f"Verdict: tiny_muon (lr {best:g}) ")
+    assert "the tuned" not in verdict_line  # the baseline was not swept: it is not called tuned
+    assert verdict_line in report and "tiny_adamw (baseline)" in report
+    assert f"tiny_muon's best lr {best:g} is at the edge of its sweep (the" in report
+    assert "- 3 fits took " in report and f"--from-logs {logs / 'tiny_muon'} {logs / 'tiny_adamw'}" in report
+    assert f"| tiny_muon | Muon lr (AdamW 0.003 on the rest) | {best:g} **best** |" in report
+    png = (out / "comparison.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+    again = tmp_path / "again"  # the same comparison from the logs, without training
+    main(["compare", "--from-logs", str(logs / "tiny_muon"), str(logs / "tiny_adamw"), "--out", str(again)])
+    table = report.split("\n\nBaseline:")[0]
+    assert (again / "comparison.md").read_text().split("\n\nBaseline:")[0] == table

@@ -1,4 +1,5 @@
-"""The comparison plot: validation loss against step and against training time."""
+"""The comparison plots: validation loss against step and against training time (one run per config, or each
+side of a tuned comparison over its seeds, with its lr sweep)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_muon.commands.compare.aggregate import Side, mean_curve
 from lightning_muon.commands.compare.runs import Run
 
 
@@ -46,6 +48,62 @@ def plot_comparison(runs: Sequence[Run], baseline: int, path: str | os.PathLike)
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper right", fontsize=9)
     fig.suptitle("lightning-muon compare: " + " vs ".join(r.name for r in runs))
+    path = Path(path)
+    fig.savefig(path)
+    return path
+
+
+def plot_tuned(sides: Sequence[Side], baseline: int, path: str | os.PathLike, title: str = "") -> Path:
+    """Write a PNG of a tuned comparison: validation loss by step and by train time (each side's mean over its
+    seeds at its best lr, with a min-max band), and the sweeps' final loss by lr (when some side swept)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    swept = [side for side in sides if len(side.grid) > 1]
+    fig = Figure(figsize=(16 if swept else 12, 4.8), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3 if swept else 2)
+    by_step, by_time = axes[0], axes[1]
+    by_time.sharey(by_step)
+    target = float(mean_curve(sides[baseline].seeds).loss_mean[-1])
+    for i, side in enumerate(sides):
+        c = mean_curve(side.seeds)
+        n = len(side.seeds)
+        label = f"{side.name} lr {side.best:g}" + (f" (mean of {n} seeds, band min–max)" if n > 1 else "")
+        line, = by_step.plot(c.steps, c.loss_mean, marker="o", markersize=3,
+                             linestyle="--" if i == baseline else "-", label=label)
+        by_step.fill_between(c.steps, c.loss_min, c.loss_max, color=line.get_color(), alpha=0.25, linewidth=0)
+        if c.time_mean is not None:
+            by_time.plot(c.time_mean, c.loss_mean, color=line.get_color(), marker="o", markersize=3,
+                         linestyle=line.get_linestyle(), label=label)
+            by_time.fill_between(c.time_mean, c.loss_min, c.loss_max, color=line.get_color(), alpha=0.25,
+                                 linewidth=0)
+        if swept:
+            axes[2].plot(side.grid, [side.sweep[lr].val_loss[-1] for lr in side.grid], color=line.get_color(),
+                         marker="o", label=f"{side.name}: {side.swept.optimizer} lr, seed 0")
+    for ax in (by_step, by_time):
+        ax.axhline(target, color="gray", linestyle=":", linewidth=1,
+                   label=f"{sides[baseline].name}'s mean final val loss (the target)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_ylabel("validation loss")
+    by_step.set_xlabel("step (optimizer updates)")
+    by_step.set_title(f"{title + ': ' if title else ''}validation loss by step")
+    by_time.set_xlabel("training time (s, validation excluded)")
+    by_time.set_title("by training time")
+    if swept:
+        by_lr = axes[2]
+        by_lr.set_xscale("log")
+        by_lr.set_xticks(sorted({lr for side in sides for lr in side.grid}))
+        by_lr.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+        by_lr.xaxis.set_minor_formatter(NullFormatter())
+        by_lr.tick_params(axis="x", labelrotation=45, labelsize=8)
+        by_lr.set_xlabel("learning rate swept")
+        by_lr.set_ylabel("final validation loss")
+        by_lr.set_title("lr sweep (seed 0)")
+        by_lr.grid(True, alpha=0.3)
+        by_lr.legend(fontsize=8)
     path = Path(path)
     fig.savefig(path)
     return path

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lightning_muon.commands.compare.runs import Run
 
@@ -21,8 +21,16 @@ def steps_to_reach(steps: Sequence[int], losses: Sequence[float], target: float)
     return None
 
 
-def baseline_index(runs: Sequence[Run], name: str | None = None) -> int:
-    """The baseline: the run called ``name``; else the (last) run with ``muon: null``; else the last run."""
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def muon(self) -> bool | None: ...
+
+
+def baseline_index(runs: Sequence[_Named], name: str | None = None) -> int:
+    """The baseline among runs (or sides): the one called ``name``; else the (last) one with ``muon: null``; else
+    the last."""
     if name is not None:
         names = [r.name for r in runs]
         if name not in names:
@@ -30,6 +38,25 @@ def baseline_index(runs: Sequence[Run], name: str | None = None) -> int:
         return names.index(name)
     adamw = [i for i, r in enumerate(runs) if r.muon is False]
     return adamw[-1] if adamw else len(runs) - 1
+
+
+def baseline_reason(runs: Sequence[_Named], chosen: str | None, baseline: int) -> str:
+    """Why ``runs[baseline]`` is the baseline, for the report."""
+    if chosen is not None:
+        return "chosen with --baseline"
+    if runs[baseline].muon is False:
+        return "its model has muon: null"
+    return "the last run: no run's model has muon: null"
+
+
+_T = TypeVar("_T", bound=Any)
+
+
+def uniquely_named(items: Sequence[_T]) -> list[_T]:
+    """Runs (or sides: dataclasses with a ``name``), with ``-2``, ``-3``... after each repeated name."""
+    names = [item.name for item in items]
+    return [replace(item, name=f"{item.name}-{names[: i + 1].count(item.name)}") if names.count(item.name) > 1
+            else item for i, item in enumerate(items)]
 
 
 @dataclass(frozen=True)
@@ -141,12 +168,15 @@ def markdown_report(
         "(`time/train_s` of `lightning_muon.WallClock`); wall time is from the start of training to its "
         "end, validation included. tokens/s is the tokens seen (all ranks) over the train time.",
     ]
-    if notes:
-        parts += ["", *[f"- {n}" for n in notes]]
+    return "\n".join([*parts, *report_end(notes, image, "validation loss by step and by training time", command)])
+
+
+def report_end(notes: Sequence[str], image: str | None, caption: str, command: str) -> list[str]:
+    """The end of a ``comparison.md``: the notes as a list, the plot, and the command that produced it."""
+    parts = ["", *[f"- {n}" for n in notes]] if notes else []
     if image:
-        parts += ["", f"![validation loss by step and by training time]({image})"]
-    parts += ["", "Produced by:", "", "```bash", command, "```", ""]
-    return "\n".join(parts)
+        parts += ["", f"![{caption}]({image})"]
+    return [*parts, "", "Produced by:", "", "```bash", command, "```", ""]
 
 
 def rich_table(rows: Sequence[Row], target: float | None) -> Table:
