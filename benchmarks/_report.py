@@ -41,6 +41,13 @@ def write(name: str, title: str, command_line: str, details: str, tables: Sequen
     return path
 
 
+def write_markdown(name: str, report: str) -> None:
+    """Write a report already in markdown (its title a ``# `` line) to ``results/<name>.md`` and as the ``name``
+    section of ``RESULTS.md``."""
+    (RESULTS / f"{name}.md").write_text(report)
+    update_section(name, report.replace("# ", "## ", 1))
+
+
 def update_section(key: str, section: str) -> None:
     """Replace (or append) the ``key`` section of ``RESULTS.md``, kept between its HTML-comment markers."""
     start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"

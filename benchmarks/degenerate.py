@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     ])
     print("\n" + report)
     if args.write:
-        (_common.ROOT / "benchmarks" / "results" / "degenerate.md").write_text(report)
-        _report.update_section("degenerate", report.replace("# ", "## ", 1))  # and its section of RESULTS.md
+        _report.write_markdown("degenerate", report)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pandas as pd
 import torch
+from parent_lr import series_frame
 from torch import nn
 
 from lightning_muon import MuonMixin
@@ -50,16 +51,6 @@ def trainer(callback: pl.Callback, root: str) -> pl.Trainer:
     return pl.Trainer(max_steps=STEPS, accelerator="cpu", logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
                       default_root_dir=root)
-
-
-def series_frame() -> pd.DataFrame:
-    rng = np.random.default_rng(0)
-    n, length = 8, 120
-    frame = pd.DataFrame({"series": np.repeat(np.arange(n), length).astype(str),
-                          "time_idx": np.tile(np.arange(length), n)})
-    index = frame.series.astype(int)
-    frame["value"] = np.sin(frame.time_idx / 5.0 + index) * (1 + index / 4) + rng.normal(0, 0.1, len(frame))
-    return frame
 
 
 def forecasting(parent_name: str, dataset_kwargs: dict, model_kwargs: dict) -> Callable[[], tuple]:
@@ -228,8 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     ])
     print("\n" + report)
     if args.write:
-        (_common.ROOT / "benchmarks" / "results" / "first_batch.md").write_text(report)
-        _report.update_section("first_batch", report.replace("# ", "## ", 1))  # and its section of RESULTS.md
+        _report.write_markdown("first_batch", report)
 
 
 if __name__ == "__main__":
