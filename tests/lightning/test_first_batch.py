@@ -196,3 +196,12 @@ def test_ranks_whose_batches_show_different_routings_are_refused_on_every_rank(t
     assert "extra.weight: AdamW/input on rank 0, AdamW/head on rank 1" in str(raised.value)
     assert "muon_params=[...]) or adamw_params=[...]" in str(raised.value)
 
+
+
+def test_roles_are_set_before_a_fit_not_during_one(tmp_path):
+    class SetsRoles(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            pl_module.muon_roles = None
+
+    with pytest.raises(RuntimeError, match="muon_roles is set before a fit, not during one"):
+        make_trainer(tmp_path, max_steps=1, callbacks=[SetsRoles()]).fit(MuonParallelHeads())
