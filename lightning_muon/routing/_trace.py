@@ -38,14 +38,17 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["MATRIX_OPS", "GraphRoles", "RoleTrace", "trace_roles"]
 
+#: The recurrent layers' calls: all their matrices in one call.
+_RECURRENT = frozenset(
+    {"lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"}
+)
+
 #: The torch calls that apply a matrix argument as a linear map (by ``__name__``).
-MATRIX_OPS = frozenset({
+MATRIX_OPS = _RECURRENT | frozenset({
     "linear", "bilinear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm",
     "mv", "addmv", "einsum", "tensordot", "_grouped_mm",
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "convolution",
-    "embedding", "embedding_bag",
-    "lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
-    "multi_head_attention_forward",
+    "embedding", "embedding_bag", "multi_head_attention_forward",
 })
 
 
@@ -95,35 +98,22 @@ class GraphRoles:
         )
 
 
-def _tensors(value: Any) -> Iterator[Tensor]:
-    """Every tensor in a nest of tuples, lists and dicts (and dataclass-like objects' ``__dict__`` is left out:
-    torch calls take tensors, tuples and lists)."""
+def _tensors(value: Any, attributes: bool = False, depth: int = 0) -> Iterator[Tensor]:
+    """Every tensor in a nest of tuples, lists and dicts (what torch calls take); with ``attributes``, also in
+    objects holding tensors as attributes (a training batch: dataclasses, batch classes), 8 levels deep at most."""
     if isinstance(value, Tensor):
         yield value
+    elif depth > 8:
+        return
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item)
+            yield from _tensors(item, attributes, depth + 1)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors(item)
-
-
-def _batch_tensors(batch: Any, depth: int = 0) -> Iterator[Tensor]:
-    """The tensors of a training batch: nested tuples, lists, dicts, and objects holding tensors as attributes
-    (dataclasses, named tuples, batch classes)."""
-    if depth > 8:
-        return
-    if isinstance(batch, Tensor):
-        yield batch
-    elif isinstance(batch, (tuple, list)):
-        for item in batch:
-            yield from _batch_tensors(item, depth + 1)
-    elif isinstance(batch, dict):
-        for item in batch.values():
-            yield from _batch_tensors(item, depth + 1)
-    elif hasattr(batch, "__dict__") and not isinstance(batch, (nn.Module, type)):
-        for item in vars(batch).values():
-            yield from _batch_tensors(item, depth + 1)
+            yield from _tensors(item, attributes, depth + 1)
+    elif attributes and hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)):
+        for item in vars(value).values():
+            yield from _tensors(item, attributes, depth + 1)
 
 
 #: Recurrent layers apply all their matrices in one call; these read the call's input (the rest, its state).
@@ -134,7 +124,7 @@ _ATTENTION_INPUT = re.compile(r"(in_proj_weight|[qkv]_proj_weight)$")
 
 def _input_side(op: str, applied: frozenset[str]) -> frozenset[str]:
     """The matrices of a matrix op that read its input (all but recurrent state and attention's output)."""
-    if op in ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell"):
+    if op in _RECURRENT:
         return frozenset(n for n in applied if _RNN_INPUT.search(n))
     if op == "multi_head_attention_forward":
         return frozenset(n for n in applied if _ATTENTION_INPUT.search(n))
@@ -183,7 +173,7 @@ class RoleTrace(TorchFunctionMode):
     def __post_init__(self) -> None:
         super().__init__()
         self._know_parameters()
-        for t in _batch_tensors(self.batch):
+        for t in _tensors(self.batch, attributes=True):
             self._from_batch[t] = True
 
     def _know_parameters(self) -> None:
