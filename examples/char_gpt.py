@@ -98,6 +98,9 @@ class GPT(L.LightningModule):
         tie_weights: share the token embedding with the output head
             (``lm_head.weight is wte.weight``).
         bias: biases in the Linear and LayerNorm layers.
+        init_from: start from these weights instead of the random init: a Lightning checkpoint (its
+            ``state_dict``) or a file saved by ``torch.save(model.state_dict(), path)``, of a model with the same
+            arguments. Fine-tuning a pretrained model, e.g. ``benchmarks/finetune.py``.
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class GPT(L.LightningModule):
         dropout: float = 0.0,
         tie_weights: bool = False,
         bias: bool = False,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         if n_embd % n_head:
@@ -127,6 +131,8 @@ class GPT(L.LightningModule):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
         if tie_weights:
             self.lm_head.weight = self.wte.weight
+        if init_from is not None:
+            self.load_state_dict(pretrained_weights(init_from))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -188,6 +194,19 @@ class GPT(L.LightningModule):
         line, self._result_line = getattr(self, "_result_line", ""), ""
         if stage == "fit" and line and self.trainer.is_global_zero:
             print(line, flush=True)
+
+
+def pretrained_weights(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The state dict in ``path``: a Lightning checkpoint's ``state_dict``, or a plain ``torch.save``'d state
+    dict. Tensors only (``weights_only``), loaded on the CPU."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"init_from={str(path)!r}: no such file (a Lightning checkpoint or a saved state_dict)")
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    state = saved.get("state_dict", saved) if isinstance(saved, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+        raise ValueError(f"init_from={str(path)!r} holds no state dict (expected a Lightning checkpoint or a "
+                         "file saved by torch.save(model.state_dict(), path))")
+    return state
 
 
 def result_line(trainer: L.Trainer, name: str) -> str:

@@ -1,0 +1,84 @@
+"""What the tuned studies share (``finetune.py``, ``third_party.py``): config files written from plain data,
+``lightning-muon compare`` run as the real command, and its sides read back from the logs.
+
+Every fit runs through ``lightning-muon compare`` (a subprocess of ``lightning-muon fit`` per fit), so the
+numbers are the command's own; these helpers only write its configs and read its logs.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_muon.commands.compare import Outcome, Side, load_side, outcomes
+
+#: Every tuned study's Muon settings beyond its lr: the shipped configs' momentum and weight decay, and fp32
+#: Newton-Schulz (on CPUs without native bf16, as AVX2 ones, bf16 matmuls are emulated: a Muon step of GPT-2's
+#: 128-wide matrices took 421 ms in bf16 against 22 ms in fp32 on this benchmark's machine, one thread).
+MUON_ARGS = {"momentum": 0.95, "weight_decay": 0.01, "ns_dtype": "float32"}
+ADAMW_ARGS = {"betas": [0.9, 0.95], "weight_decay": 0.0}
+
+
+def optimizers(muon_lr: float | None, adamw_lr: float, **muon_args: Any) -> dict[str, Any]:
+    """A model's ``muon`` and ``adamw`` init args: Muon + AdamW, or AdamW alone where ``muon_lr`` is None."""
+    muon = None if muon_lr is None else {
+        "class_path": "lightning_muon.Muon", "init_args": {"lr": muon_lr, **MUON_ARGS, **muon_args}}
+    return {"muon": muon, "adamw": {"class_path": "torch.optim.AdamW", "init_args": {"lr": adamw_lr, **ADAMW_ARGS}}}
+
+
+def write_config(path: Path, config: dict[str, Any], comment: str) -> Path:
+    """``config`` as a LightningCLI YAML file under a comment line (what it is and who wrote it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = "".join(f"# {line}\n" for line in comment.splitlines())
+    path.write_text(head + yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def compare(configs: Sequence[Path], out: Path, options: Sequence[str], threads: int | None = None) -> list[str]:
+    """Run ``lightning-muon compare CONFIGS OPTIONS --out OUT`` (its output in ``OUT/compare.out``, every fit
+    with ``OMP_NUM_THREADS=threads`` when given); an error if it fails. Returns the command line, as a user
+    would type it (config paths relative to the working directory where they are inside it)."""
+    out.mkdir(parents=True, exist_ok=True)
+    shown = [_relative(c) for c in configs]
+    argv = ["compare", *map(str, configs), *options, "--out", str(out)]
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    started = time.perf_counter()
+    with open(out / "compare.out", "w") as log:
+        code = subprocess.run([sys.executable, "-m", "lightning_muon", *argv], stdout=log, stderr=subprocess.STDOUT,
+                              env=env).returncode
+    if code:
+        raise RuntimeError(f"lightning-muon compare failed (exit {code}): see {out / 'compare.out'}")
+    (out / "seconds").write_text(f"{time.perf_counter() - started:.1f}\n")
+    return ["lightning-muon", "compare", *shown, *options, "--out", _relative(out)]
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+
+def read_sides(out: Path, names: Sequence[str]) -> list[Side]:
+    """The sides ``compare`` fitted into ``OUT/lightning_logs/<name>``, read back from their logs."""
+    return [load_side(out / "lightning_logs" / name, name) for name in names]
+
+
+def tuned(out: Path, names: Sequence[str], baseline: str) -> tuple[float, list[Outcome], list[Side]]:
+    """The target (the baseline's mean final val loss at its best lr) and each side's outcome and runs."""
+    sides = read_sides(out, names)
+    target, results = outcomes(sides, baseline=list(names).index(baseline))
+    return target, results, sides
+
+
+def seconds(out: Path) -> float:
+    """How long ``compare`` took for ``out`` (written by `compare`)."""
+    return float((out / "seconds").read_text())

@@ -1,0 +1,186 @@
+"""Fine-tuning: does Muon lose on a model pretrained with AdamW?
+
+The torchtune Muon pull request found AdamW better than Muon when fine-tuning an AdamW-pretrained model, and
+Moonlight's paper reports the same for mismatched pretrain/fine-tune optimizers. This measures it here:
+
+1. pretrain the shipped byte-level GPT (``gpt_adamw.yaml``: 4 layers, width 128, AdamW at its tuned lr) on the
+   standard library's Python sources (``--pretrain-steps`` steps), through ``lightning-muon fit``;
+2. fine-tune it on different text, the English of Python's own documentation (``pydoc_data/topics.py``, which the
+   pretraining corpus does not hold), three ways, each swept and seeded by ``lightning-muon compare``:
+   AdamW alone; Muon + AdamW (Muon's own lr scale); and Muon at AdamW's lr scale through
+   ``adjust_lr_fn="match_rms_adamw"``. The non-matrix parameters keep AdamW at the AdamW side's config lr in
+   all three, so the sides differ only in how the hidden matrices are updated.
+
+    python benchmarks/finetune.py --write            # ~35 min on 2 cores
+    python benchmarks/finetune.py --pretrain-steps 20 --steps 10 --seeds 1 --multipliers 1 --out /tmp/ft  # trial
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import _tuned
+
+from lightning_muon.commands.compare import edge_notes, seeds_table, sweep_table, verdict
+
+import _common
+import _report
+
+ADAMW_LR = 0.00075  # gpt_adamw.yaml's: the best AdamW lr of benchmarks/quality.py at 300 steps
+MUON_LR = 0.02  # gpt_muon.yaml's
+SIDES = {
+    "ft_adamw": "AdamW alone",
+    "ft_muon": "Muon + AdamW",
+    "ft_muon_match": "Muon + AdamW, Muon at AdamW's lr scale (adjust_lr_fn=match_rms_adamw)",
+}
+
+
+def finetune_corpus() -> str:
+    """The directory whose one ``.py`` file is the fine-tuning text: ``pydoc_data`` (``topics.py``, the language
+    reference's English, as string literals)."""
+    return str(Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data")
+
+
+def pretrain(out: Path, steps: int, threads: int | None) -> tuple[Path, list[str]]:
+    """Fit ``gpt_adamw.yaml`` for ``steps`` steps, keeping its last checkpoint; returns it and the command."""
+    args = ["fit", "--config", "gpt_adamw.yaml", "--trainer.max_steps", str(steps),
+            "--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", "10",
+            "--trainer.enable_progress_bar", "false", "--trainer.callbacks+=lightning_muon.WallClock",
+            "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", "pretrain",
+            "--trainer.logger.init_args.version", "0"]
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "pretrain.out", "w") as log:
+        code = subprocess.run([sys.executable, "-m", "lightning_muon", *args], stdout=log, stderr=subprocess.STDOUT,
+                              env=env).returncode
+    if code:
+        raise RuntimeError(f"pretraining failed (exit {code}): see {out / 'pretrain.out'}")
+    checkpoints = sorted((out / "pretrain").rglob("*.ckpt"))
+    if not checkpoints:
+        raise RuntimeError(f"pretraining wrote no checkpoint under {out / 'pretrain'}")
+    return checkpoints[-1], ["lightning-muon", *args]
+
+
+def validation_loss(checkpoint: Path, source_dir: str | None, batches: int) -> float:
+    """The pretrained model's val loss on a corpus (``None``: the pretraining one), before any fine-tuning."""
+    import lightning as L
+
+    from lightning_muon.examples.char_gpt import GPT, StdlibTextDataModule
+
+    model = GPT(init_from=str(checkpoint))
+    data = StdlibTextDataModule(block_size=128, batch_size=32, seed=0, source_dir=source_dir)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=batches)
+    (result,) = trainer.validate(model, datamodule=data, verbose=False)
+    return float(result["val_loss"])
+
+
+def side_config(name: str, checkpoint: Path, steps: int) -> dict[str, Any]:
+    """A fine-tuning side: the shipped GPT's trainer settings, the fine-tuning corpus, the pretrained weights."""
+    if name == "ft_adamw":
+        optimizers = _tuned.optimizers(None, ADAMW_LR)
+    elif name == "ft_muon":
+        optimizers = _tuned.optimizers(MUON_LR, ADAMW_LR)
+    else:
+        optimizers = _tuned.optimizers(ADAMW_LR, ADAMW_LR, adjust_lr_fn="match_rms_adamw")
+    return {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": steps, "log_every_n_steps": 10,
+                    "enable_model_summary": False, "enable_progress_bar": False},
+        "data": {"class_path": "lightning_muon.examples.char_gpt.StdlibTextDataModule",
+                 "init_args": {"block_size": 128, "batch_size": 32, "seed": 0, "source_dir": finetune_corpus()}},
+        "model": {"class_path": "lightning_muon.examples.char_gpt.CharGPT",
+                  "init_args": {"n_layer": 4, "n_embd": 128, "init_from": str(checkpoint), **optimizers}},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pretrain-steps", type=int, default=600, help="AdamW pretraining steps (default 600)")
+    parser.add_argument("--steps", type=int, default=150, help="fine-tuning steps of every fit (default 150)")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds at each side's best lr (default 2)")
+    parser.add_argument("--multipliers", default="0.25,0.5,1,2", help="the lr sweep around each side's lr")
+    parser.add_argument("--val-batches", type=int, default=10, help="validation batches (default 10)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per fit (default: torch's)")
+    parser.add_argument("--write", action="store_true", help="write benchmarks/results/finetune.md and RESULTS.md")
+    parser.add_argument("--out", default=None, metavar="DIR", help="where the runs go (default: a lightning_logs dir)")
+    args = parser.parse_args(argv)
+    out = Path(args.out or "lightning_logs/finetune").resolve()
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+
+    print(f"finetune: pretraining {args.pretrain_steps} steps with AdamW (output in {out}/pretrain.out)", flush=True)
+    checkpoint, pretrain_command = pretrain(out, args.pretrain_steps, args.threads)
+    pretrain_s = time.perf_counter() - started
+    before = {"pretraining corpus": validation_loss(checkpoint, None, args.val_batches),
+              "fine-tuning corpus": validation_loss(checkpoint, finetune_corpus(), args.val_batches)}
+    print(f"  pretrained in {pretrain_s / 60:.1f} min; val loss before fine-tuning: "
+          + ", ".join(f"{k} {v:.4f}" for k, v in before.items()), flush=True)
+
+    configs = [_tuned.write_config(out / "configs" / f"{name}.yaml", side_config(name, checkpoint, args.steps),
+                                   f"Fine-tuning, {what}; written by benchmarks/finetune.py")
+               for name, what in SIDES.items()]
+    options = ["--multipliers", args.multipliers, "--seeds", str(args.seeds), "--val_points", "6",
+               "--trainer.limit_val_batches", str(args.val_batches)]
+    print(f"finetune: lightning-muon compare on {len(configs)} sides (output in {out}/compare/)", flush=True)
+    compare_command = _tuned.compare(configs, out / "compare", options, args.threads)
+    target, results, sides = _tuned.tuned(out / "compare", list(SIDES), "ft_adamw")
+    elapsed = time.perf_counter() - started
+
+    body = [
+        f"Machine: {_common.machine(args.threads)} a fit; load average {' '.join(f'{x:.2f}' for x in load_before)} "
+        f"before; {datetime.date.today()}. The whole run took {elapsed / 60:.1f} min (pretraining "
+        f"{pretrain_s / 60:.1f} min).",
+        "",
+        f"Pretrained: the shipped byte-level GPT (4 layers, width 128), AdamW at lr {ADAMW_LR:g} for "
+        f"{args.pretrain_steps} steps on the standard library's Python sources. Fine-tuned: {args.steps} steps on "
+        "the English of Python's documentation (`pydoc_data/topics.py`, not in the pretraining corpus), each side's "
+        f"lr swept x{{{args.multipliers}}} around its config's at seed 0, then seeds 0–{args.seeds - 1} at its best. "
+        f"AdamW keeps the embeddings, norms and head at lr {ADAMW_LR:g} on the Muon sides. Muon's Newton-Schulz runs "
+        "in fp32.",
+        "",
+        "Val loss of the pretrained model before fine-tuning: "
+        + "; ".join(f"{k} {v:.4f}" for k, v in before.items()) + ".",
+        "",
+        *[f"- {name}: {what}" for name, what in SIDES.items()],
+        "",
+        "### lr sweep (seed 0)",
+        "",
+        sweep_table(sides),
+        "",
+        *[f"- {note}." for note in edge_notes(sides)],
+        "",
+        "### Each side at its best lr",
+        "",
+        seeds_table(target, results),
+        "",
+        *verdict(target, results, sides),
+        "",
+        "Produced by:",
+        "",
+        "```bash",
+        shlex.join(["python", "benchmarks/finetune.py", *(sys.argv[1:] if argv is None else argv)]),
+        f"# pretraining: {shlex.join(pretrain_command)}",
+        f"# fine-tuning: {shlex.join(compare_command)}",
+        "```",
+    ]
+    report = "\n".join(["# Fine-tuning an AdamW-pretrained model: AdamW against Muon, each tuned", "", *body])
+    print(report, flush=True)
+    (out / "finetune.md").write_text(report + "\n")
+    if args.write:
+        _report.write_markdown("finetune", report + "\n")
+        print(f"Wrote {_report.RESULTS / 'finetune.md'} and its section of {_report.RESULTS_MD}")
+
+
+if __name__ == "__main__":
+    main()

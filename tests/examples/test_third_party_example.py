@@ -1,0 +1,158 @@
+"""Other libraries' models as examples (`lightning_muon.examples.third_party`), fine-tuning from saved weights
+(`GPT(init_from=...)`), and the configs the tuned studies (``benchmarks/third_party.py``, ``finetune.py``) write:
+each a real fit, or parsed by the real CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_muon.examples.char_gpt import GPT, CharGPT
+from lightning_muon.examples.digits_cnn import DigitsDataModule
+from lightning_muon.examples.third_party import MuonThirdPartyDigits, MuonThirdPartyLM, ThirdPartyLM
+
+from helpers import make_trainer, read_metrics
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+FAST_ADAMW = {"class_path": "torch.optim.AdamW", "init_args": {"lr": 3e-3, "betas": [0.9, 0.95]}}
+#: What routing must put on AdamW in each family, by role (the rest of the 2D weights: Muon).
+LM_ADAMW = {
+    "llama": {"model.model.embed_tokens.weight", "model.lm_head.weight"},
+    "gpt2": {"model.transformer.wte.weight", "model.transformer.wpe.weight"},  # the head is tied to wte
+    "litgpt": {"model.transformer.wte.weight", "model.lm_head.weight"},
+}
+
+
+def names(optimizer: torch.optim.Optimizer) -> set[str]:
+    return {n for g in optimizer.param_groups for n in g["param_names"]}
+
+
+@pytest.mark.parametrize("family", list(LM_ADAMW))
+@pytest.mark.filterwarnings("ignore:ThirdPartyLM.configure_optimizers")
+def test_third_party_lm_trains_with_its_hidden_matrices_on_muon(tmp_path, family):
+    if family == "litgpt" and importlib.util.find_spec("litgpt") is None:
+        pytest.skip("litgpt is not installed (the README's test command installs it)")
+    from lightning_muon.examples.char_gpt import StdlibTextDataModule
+
+    torch.manual_seed(0)
+    model = MuonThirdPartyLM(family=family, n_layer=1, n_head=2, n_embd=32, block_size=16, adamw=FAST_ADAMW)
+    data = StdlibTextDataModule(max_bytes=120_000, block_size=16, batch_size=4, train_batches_per_epoch=4,
+                                val_batches=2, cache_dir=str(tmp_path / "cache"))
+    trainer = make_trainer(tmp_path, csv_dir=tmp_path / "logs", max_steps=4)
+    trainer.fit(model, datamodule=data)
+
+    muon, adamw = (o.optimizer for o in model.optimizers())
+    matrices = {n for n, p in model.named_parameters() if p.ndim == 2}
+    assert names(muon) == matrices - LM_ADAMW[family]
+    assert LM_ADAMW[family] <= names(adamw)
+    if family == "gpt2":  # transformers' Conv1D stores in x out: its lr is scaled by the real shape
+        layouts = {n: layout for g in muon.param_groups for n, layout in zip(g["param_names"], g["matrix_layouts"])}
+        assert set(layouts.values()) == {"in_out"}
+    val = [float(r["val_loss"]) for r in read_metrics(tmp_path / "logs") if r.get("val_loss")]
+    assert len(val) == 1 and val[0] < math.log(256)
+
+
+def test_third_party_lm_refuses_an_unknown_family():
+    with pytest.raises(ValueError, match=r"family must be one of 'llama', 'gpt2', 'litgpt', got 'bert'"):
+        ThirdPartyLM(family="bert")
+
+
+@pytest.mark.filterwarnings("ignore:ThirdPartyDigits.configure_optimizers")
+def test_third_party_resnet_routes_stem_and_classifier_to_adamw(tmp_path):
+    torch.manual_seed(0)
+    model = MuonThirdPartyDigits(hidden_sizes=(8, 16), embedding_size=8)
+    trainer = make_trainer(tmp_path, csv_dir=tmp_path / "logs", max_steps=3, val_check_interval=3)
+    trainer.fit(model, datamodule=DigitsDataModule(batch_size=32))
+    muon, adamw = (o.optimizer for o in model.optimizers())
+    kernels = {n for n, p in model.named_parameters() if p.ndim == 4}
+    stem = "model.resnet.embedder.embedder.convolution.weight"
+    assert names(muon) == kernels - {stem}
+    assert {stem, "model.classifier.1.weight", "model.classifier.1.bias"} <= names(adamw)
+    assert any(r.get("val_acc") for r in read_metrics(tmp_path / "logs"))
+
+
+# ------------------------------------------------------------------------------------------ init_from
+
+
+@pytest.mark.filterwarnings("ignore:GPT.configure_optimizers")
+def test_gpt_init_from_a_lightning_checkpoint_or_a_state_dict(tmp_path):
+    torch.manual_seed(0)
+    source = CharGPT(n_layer=1, n_head=2, n_embd=32, block_size=16)
+    trainer = make_trainer(tmp_path, max_steps=1)
+    from lightning_muon.examples.char_gpt import StdlibTextDataModule
+
+    trainer.fit(source, datamodule=StdlibTextDataModule(max_bytes=120_000, block_size=16, batch_size=4,
+                                                        train_batches_per_epoch=1, val_batches=1,
+                                                        cache_dir=str(tmp_path / "cache")))
+    checkpoint = tmp_path / "pretrained.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    state = tmp_path / "state.pt"
+    torch.save(source.state_dict(), state)
+
+    for path in (checkpoint, state):
+        torch.manual_seed(1)  # another random init, replaced by the saved weights
+        loaded = GPT(n_layer=1, n_head=2, n_embd=32, block_size=16, init_from=str(path))
+        for (name, a), b in zip(source.state_dict().items(), loaded.state_dict().values(), strict=True):
+            assert torch.equal(a, b), name
+        assert loaded.hparams["init_from"] == str(path)
+
+
+def test_gpt_init_from_refuses_a_missing_file_or_one_without_weights(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"init_from='.*nowhere.ckpt': no such file"):
+        GPT(init_from=str(tmp_path / "nowhere.ckpt"))
+    torch.save({"epoch": 3}, tmp_path / "not_weights.pt")
+    with pytest.raises(ValueError, match="holds no state dict"):
+        GPT(init_from=str(tmp_path / "not_weights.pt"))
+    torch.save(GPT(n_layer=1, n_embd=32).state_dict(), tmp_path / "other_shape.pt")
+    with pytest.raises(RuntimeError, match="size mismatch"):  # another model's weights: load_state_dict says so
+        GPT(n_layer=1, n_embd=64, init_from=str(tmp_path / "other_shape.pt"))
+
+
+# ----------------------------------------------------------------------------- the studies' configs
+
+
+@pytest.fixture
+def benchmark_modules(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    yield
+    for name in ("third_party", "finetune", "_tuned", "_common", "_report"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.usefixtures("benchmark_modules")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_studies_configs_build_through_the_real_cli(tmp_path):
+    import finetune
+    import third_party
+
+    from lightning_muon.commands.lightning_cli import MuonCLI
+
+    checkpoint = tmp_path / "state.pt"
+    torch.save(GPT().state_dict(), checkpoint)
+    written = {f"{name}_{side}": third_party.config(name, spec, side == "muon", steps=5)
+               for name, spec in third_party.MODELS.items() for side in ("muon", "adamw")
+               if name != "litgpt" or importlib.util.find_spec("litgpt") is not None}
+    written |= {name: finetune.side_config(name, checkpoint, steps=5) for name in finetune.SIDES}
+    for key, (_, args) in third_party.VARIANTS.items():
+        written[f"gpt2_{key}"] = third_party.config("gpt2", third_party.MODELS["gpt2"], True, steps=5, **args)
+    for name, config in written.items():
+        path = third_party._tuned.write_config(tmp_path / f"{name}.yaml", config, "a test")
+        cli = MuonCLI(args=["--config", str(path), "--trainer.logger=false"], run=False)
+        muon = cli.model.hparams["muon"]
+        if name.endswith("adamw"):
+            assert muon is None, name
+            continue
+        muon_args = muon["init_args"]
+        assert muon_args["ns_dtype"] in ("float32", "bfloat16"), name
+        if name == "ft_muon_match":
+            assert muon_args["adjust_lr_fn"] == "match_rms_adamw"
+        if name == "gpt2_bf16_standard":
+            assert muon_args["ns_gram_aspect"] is None
+        if name == "gpt2_bf16_polar":
+            assert muon_args["ns_coefficients"] == "polar_express"
+    assert len(written) >= 12
