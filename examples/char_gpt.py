@@ -100,7 +100,8 @@ class GPT(L.LightningModule):
         bias: biases in the Linear and LayerNorm layers.
         init_from: start from these weights instead of the random init: a Lightning checkpoint (its
             ``state_dict``) or a file saved by ``torch.save(model.state_dict(), path)``, of a model with the same
-            arguments. Fine-tuning a pretrained model, e.g. ``benchmarks/finetune.py``.
+            arguments. Fine-tuning a pretrained model, e.g. ``benchmarks/finetune.py``. Not a saved
+            hyperparameter: a checkpoint holds the weights themselves, so it loads without that file.
     """
 
     def __init__(
@@ -117,7 +118,7 @@ class GPT(L.LightningModule):
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_head must divide n_embd, got n_head={n_head} and n_embd={n_embd}")
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["init_from"])
         self.block_size = block_size
         self.wte = nn.Embedding(VOCAB_SIZE, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)

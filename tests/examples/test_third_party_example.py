@@ -99,7 +99,28 @@ def test_gpt_init_from_a_lightning_checkpoint_or_a_state_dict(tmp_path):
         loaded = GPT(n_layer=1, n_head=2, n_embd=32, block_size=16, init_from=str(path))
         for (name, a), b in zip(source.state_dict().items(), loaded.state_dict().values(), strict=True):
             assert torch.equal(a, b), name
-        assert loaded.hparams["init_from"] == str(path)
+        assert "init_from" not in loaded.hparams  # a checkpoint of it holds the weights themselves
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_checkpoint_fine_tuned_from_a_file_loads_once_the_file_is_gone(tmp_path, monkeypatch):
+    from lightning_muon.commands.lightning_cli import MuonCLI
+
+    monkeypatch.chdir(tmp_path)
+    torch.save(GPT(n_layer=1, n_embd=32, block_size=16).state_dict(), "pretrained.pt")
+    cli = MuonCLI(args=[
+        "fit", "--model", "lightning_muon.examples.char_gpt.CharGPT", "--model.n_layer=1", "--model.n_embd=32",
+        "--model.block_size=16", "--model.init_from=pretrained.pt",
+        "--data", "lightning_muon.examples.char_gpt.StdlibTextDataModule", "--data.block_size=16",
+        "--data.batch_size=4", "--data.max_bytes=120000", "--data.train_batches_per_epoch=2", "--data.val_batches=1",
+        f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.max_steps=2", "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false", "--trainer.default_root_dir=out",
+    ])
+    checkpoint = cli.trainer.checkpoint_callback.best_model_path
+    Path("pretrained.pt").unlink()
+    loaded = CharGPT.load_from_checkpoint(checkpoint)
+    for (name, a), b in zip(cli.model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
 
 
 def test_gpt_init_from_refuses_a_missing_file_or_one_without_weights(tmp_path):
