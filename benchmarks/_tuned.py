@@ -17,13 +17,15 @@ from typing import Any
 
 import yaml
 
-from lightning_muon.commands.compare import Outcome, Side, load_side, outcomes
+from lightning_muon.commands.compare import Outcome, Side, edge, load_side, outcomes
 
 #: Every tuned study's Muon settings beyond its lr: the shipped configs' momentum and weight decay, and fp32
 #: Newton-Schulz (on CPUs without native bf16, as AVX2 ones, bf16 matmuls are emulated: a Muon step of GPT-2's
 #: 128-wide matrices took 421 ms in bf16 against 22 ms in fp32 on this benchmark's machine, one thread).
 MUON_ARGS = {"momentum": 0.95, "weight_decay": 0.01, "ns_dtype": "float32"}
 ADAMW_ARGS = {"betas": [0.9, 0.95], "weight_decay": 0.0}
+#: How many lrs `extend_edges` may add past an end of a side's grid where its best lr sits.
+EXTEND = 2
 
 
 def optimizers(muon_lr: float | None, adamw_lr: float, **muon_args: Any) -> dict[str, Any]:
@@ -46,7 +48,7 @@ def compare(configs: Sequence[Path], out: Path, options: Sequence[str], threads:
     with ``OMP_NUM_THREADS=threads`` when given); an error if it fails. Returns the command line, as a user
     would type it (config paths relative to the working directory where they are inside it)."""
     out.mkdir(parents=True, exist_ok=True)
-    shown = [_relative(c) for c in configs]
+    shown = [relative(c) for c in configs]
     argv = ["compare", *map(str, configs), *options, "--out", str(out)]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     started = time.perf_counter()
@@ -55,11 +57,13 @@ def compare(configs: Sequence[Path], out: Path, options: Sequence[str], threads:
                               env=env).returncode
     if code:
         raise RuntimeError(f"lightning-muon compare failed (exit {code}): see {out / 'compare.out'}")
-    (out / "seconds").write_text(f"{time.perf_counter() - started:.1f}\n")
-    return ["lightning-muon", "compare", *shown, *options, "--out", _relative(out)]
+    before = seconds(out) if (out / "seconds").is_file() else 0.0
+    (out / "seconds").write_text(f"{before + time.perf_counter() - started:.1f}\n")
+    return ["lightning-muon", "compare", *shown, *options, "--out", relative(out)]
 
 
-def _relative(path: Path) -> str:
+def relative(path: Path) -> str:
+    """``path`` relative to the working directory where it is inside it, else as it is."""
     try:
         return str(Path(path).resolve().relative_to(Path.cwd()))
     except ValueError:
@@ -80,5 +84,28 @@ def tuned(out: Path, names: Sequence[str], baseline: str) -> tuple[float, list[O
 
 
 def seconds(out: Path) -> float:
-    """How long ``compare`` took for ``out`` (written by `compare`)."""
+    """How long the ``compare`` commands into ``out`` took, all together (written by `compare`)."""
     return float((out / "seconds").read_text())
+
+
+def extend_edges(configs: Sequence[Path], out: Path, seeds: int, common: Sequence[str], threads: int | None,
+                 label: str = "") -> int:
+    """Where a side's best lr is at an end of its grid, fit the next lr past it (x2 or x1/2), up to `EXTEND`
+    times, through ``compare --lrs SIDE=LR`` into the same logs; when one becomes the best, its other seeds too.
+    Returns how many lrs were added."""
+    added = 0
+    for config in configs:
+        for _ in range(EXTEND):
+            (side,) = read_sides(out, [config.stem])
+            at = edge(side.best, side.grid)
+            if at is None:
+                break
+            lr = side.best * (2 if at == "highest" else 0.5)
+            print(f"  {label or out.name}: {config.stem}'s best lr {side.best:g} is the {at} of its grid: "
+                  f"fitting lr {lr:g}", flush=True)
+            compare([config], out, ["--lrs", f"{config.stem}={lr:g}", "--seeds", "1", *common], threads)
+            added += 1
+            (side,) = read_sides(out, [config.stem])
+            if side.best == lr and seeds > 1:  # the new best: its other seeds (seed 0 is fitted again, the same)
+                compare([config], out, ["--lrs", f"{config.stem}={lr:g}", "--seeds", str(seeds), *common], threads)
+    return added

@@ -54,7 +54,8 @@ def finetune_corpus() -> str:
 def pretrain(out: Path, steps: int, threads: int | None) -> tuple[Path, list[str]]:
     """Fit ``gpt_adamw.yaml`` for ``steps`` steps, keeping its last checkpoint; returns it and the command."""
     args = ["fit", "--config", "gpt_adamw.yaml", "--trainer.max_steps", str(steps),
-            "--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", "10",
+            "--trainer.val_check_interval", str(steps), "--trainer.check_val_every_n_epoch", "null",
+            "--trainer.limit_val_batches", "10",
             "--trainer.enable_progress_bar", "false", "--trainer.callbacks+=lightning_muon.WallClock",
             "--trainer.logger.init_args.save_dir", str(out), "--trainer.logger.init_args.name", "pretrain",
             "--trainer.logger.init_args.version", "0"]
@@ -130,10 +131,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     configs = [_tuned.write_config(out / "configs" / f"{name}.yaml", side_config(name, checkpoint, args.steps),
                                    f"Fine-tuning, {what}; written by benchmarks/finetune.py")
                for name, what in SIDES.items()]
-    options = ["--multipliers", args.multipliers, "--seeds", str(args.seeds), "--val_points", "6",
-               "--trainer.limit_val_batches", str(args.val_batches)]
+    common = ["--val_points", "6", "--trainer.limit_val_batches", str(args.val_batches)]
+    options = ["--multipliers", args.multipliers, "--seeds", str(args.seeds), *common]
     print(f"finetune: lightning-muon compare on {len(configs)} sides (output in {out}/compare/)", flush=True)
     compare_command = _tuned.compare(configs, out / "compare", options, args.threads)
+    if _tuned.extend_edges(configs, out / "compare", args.seeds, common, args.threads, label="finetune"):
+        _tuned.compare([], out / "compare", ["--from-logs", *(str(out / "compare" / "lightning_logs" / name)
+                                                              for name in SIDES)], args.threads)
     target, results, sides = _tuned.tuned(out / "compare", list(SIDES), "ft_adamw")
     elapsed = time.perf_counter() - started
 
@@ -145,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"Pretrained: the shipped byte-level GPT (4 layers, width 128), AdamW at lr {ADAMW_LR:g} for "
         f"{args.pretrain_steps} steps on the standard library's Python sources. Fine-tuned: {args.steps} steps on "
         "the English of Python's documentation (`pydoc_data/topics.py`, not in the pretraining corpus), each side's "
-        f"lr swept x{{{args.multipliers}}} around its config's at seed 0, then seeds 0–{args.seeds - 1} at its best. "
+        f"lr swept x{{{args.multipliers}}} around its config's at seed 0 (a best lr at an end of the grid followed by "
+        f"up to {_tuned.EXTEND} more past it, x2 or x1/2), then seeds 0–{args.seeds - 1} at its best. "
         f"AdamW keeps the embeddings, norms and head at lr {ADAMW_LR:g} on the Muon sides. Muon's Newton-Schulz runs "
         "in fp32.",
         "",

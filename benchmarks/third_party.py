@@ -6,7 +6,10 @@ init and trained from scratch: transformers' Llama and GPT-2 and litgpt's GPT on
 transformers' ResNet on scikit-learn's 8x8 digits. For each, this writes two configs (Muon + AdamW, and AdamW
 alone) and runs the real command on them::
 
-    lightning-muon compare MODEL_muon.yaml MODEL_adamw.yaml --multipliers 0.5,1,2 --seeds 2 --max_steps 150 ...
+    lightning-muon compare MODEL_muon.yaml MODEL_adamw.yaml --multipliers 0.5,1,2 --seeds 2 --val_points 6 ...
+
+A side whose best lr is at an end of its grid gets up to ``_tuned.EXTEND`` more lrs past it (``compare --lrs SIDE=LR``
+into the same logs), and the model's report is written again from all its runs (``compare --from-logs``).
 
 Then, at the GPT-2 Muon side's best lr and the same seeds, three bf16 Newton-Schulz variants (the table's runs use
 fp32 Newton-Schulz, see ``_tuned.MUON_ARGS``): the library's default (Gram Newton-Schulz for matrices at least
@@ -23,6 +26,7 @@ import argparse
 import datetime
 import os
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -46,8 +50,8 @@ TEXT = {"class_path": "lightning_muon.examples.char_gpt.StdlibTextDataModule",
 IMAGES = {"class_path": "lightning_muon.examples.digits_cnn.DigitsDataModule",
           "init_args": {"batch_size": 64, "seed": 0}}
 
-#: Each model: what it is, its model class and arguments, its data, and the lrs the configs hold (the sweep's
-#: centres): Muon's (with AdamW's on the rest), and the AdamW-only side's.
+#: Each model: what it is, its model class and arguments, its data, the lrs the configs hold (the sweep's
+#: centres): Muon's (with AdamW's on the rest), and the AdamW-only side's; and its seeds, where not ``--seeds``.
 MODELS: dict[str, dict[str, Any]] = {
     "llama": dict(what="transformers `LlamaForCausalLM` (GQA, SwiGLU, RoPE), 2 layers, width 128",
                   model=LM, args={"family": "llama", "n_layer": 2, "n_embd": 128}, data=TEXT,
@@ -58,8 +62,10 @@ MODELS: dict[str, dict[str, Any]] = {
     "litgpt": dict(what="litgpt `GPT` (Llama-style: RMSNorm, SwiGLU, RoPE, GQA), 2 layers, width 128",
                    model=LM, args={"family": "litgpt", "n_layer": 2, "n_embd": 128}, data=TEXT,
                    muon_lr=0.02, rest_lr=0.003, adamw_lr=0.0015),
-    "resnet": dict(what="transformers `ResNetForImageClassification` (basic blocks, 32/64 channels) on 8x8 digits",
-                   model=DIGITS, args={}, data=IMAGES, muon_lr=0.02, rest_lr=0.003, adamw_lr=0.003),
+    "resnet": dict(what="transformers `ResNetForImageClassification` (basic blocks, 32/64 channels) on 8x8 digits "
+                        "(each seed also draws the 20% validation split)",
+                   model=DIGITS, args={}, data=IMAGES, muon_lr=0.02, rest_lr=0.003, adamw_lr=0.003,
+                   seeds=5),  # seconds a fit, and the data seed also draws the validation split: more seeds
 }
 #: The bf16 Newton-Schulz variants run on GPT-2 at its Muon side's best lr.
 VARIANTS = {
@@ -81,17 +87,28 @@ def config(name: str, spec: dict[str, Any], muon: bool, steps: int, **muon_args:
 
 
 def run_model(name: str, out: Path, steps: int, seeds: int, multipliers: str, val_batches: int,
-              threads: int | None) -> list[str]:
-    """Write the model's two configs and run ``compare`` on them; returns the command line."""
+              threads: int | None, extend: bool = True, reuse: bool = False) -> list[str]:
+    """Write the model's two configs and run ``compare`` on them (then `_tuned.extend_edges`); returns the first
+    command line. ``reuse``: a model whose compare finished in ``out`` before is not fitted again."""
     spec = MODELS[name]
+    seeds = spec.get("seeds", seeds)
     configs = [
         _tuned.write_config(out / "configs" / f"{name}_{side}.yaml", config(name, spec, side == "muon", steps),
                             f"{spec['what']}; written by benchmarks/third_party.py")
         for side in ("muon", "adamw")
     ]
-    options = ["--multipliers", multipliers, "--seeds", str(seeds), "--val_points", "6",
-               "--trainer.limit_val_batches", str(val_batches)]
-    return _tuned.compare(configs, out / name, options, threads)
+    common = ["--val_points", "6", "--trainer.limit_val_batches", str(val_batches)]
+    options = ["--multipliers", multipliers, "--seeds", str(seeds), *common]
+    if reuse and (out / name / "seconds").is_file():  # a finished compare of an earlier run of this script
+        command = ["lightning-muon", "compare", *map(_tuned.relative, configs), *options, "--out",
+                   _tuned.relative(out / name)]
+    else:
+        command = _tuned.compare(configs, out / name, options, threads)
+    if extend and _tuned.extend_edges(configs, out / name, seeds, common, threads, label=name):
+        # the model's comparison.md and .png again, from all its runs (the extensions' compare wrote over them)
+        _tuned.compare([], out / name, ["--from-logs", *(str(out / name / "lightning_logs" / c.stem)
+                                                          for c in configs)], threads)
+    return command
 
 
 def run_variants(out: Path, steps: int, seeds: int, val_batches: int, threads: int | None,
@@ -119,8 +136,9 @@ def model_row(name: str, out: Path) -> tuple[list[str], list[str]]:
     return row, [f"{name}: {note}" for note in edge_notes(sides)]
 
 
-def variants_table(out: Path, reference: Path) -> tuple[str, dict[str, np.ndarray]]:
-    """Final val loss per seed of each bf16 variant, with GPT-2's fp32 Muon runs (the table's) beside them."""
+def variants_table(out: Path, reference: Path) -> tuple[str, float]:
+    """Final val loss per seed of each bf16 variant, with GPT-2's fp32 Muon runs (the table's) beside them; and
+    the Muon lr the variants ran at."""
     names = [f"gpt2_{key}" for key in VARIANTS]
     sides = _tuned.read_sides(out / "gpt2_variants", names)
     fp32 = _tuned.read_sides(reference, ["gpt2_muon"])[0]
@@ -132,7 +150,7 @@ def variants_table(out: Path, reference: Path) -> tuple[str, dict[str, np.ndarra
     for label, values in finals.items():
         delta = "–" if values is standard else f"{values.mean() - standard.mean():+.4f}"
         lines.append(f"| {label} | {', '.join(f'{v:.4f}' for v in values)} | {spread(values)} | {delta} |")
-    return "\n".join(lines), finals
+    return "\n".join(lines), sides[0].best
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -144,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--val-batches", type=int, default=10, help="validation batches (default 10)")
     parser.add_argument("--jobs", type=int, default=2, help="compare commands at a time (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per fit (default 1)")
+    parser.add_argument("--no-extend", action="store_true",
+                        help=f"leave a best lr at the end of its grid (default: up to {_tuned.EXTEND} lrs past it)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the models whose compare finished in --out before (and the variants')")
     parser.add_argument("--no-variants", action="store_true", help="skip GPT-2's bf16 Newton-Schulz variants")
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/third_party.md and its RESULTS.md section")
@@ -156,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           flush=True)
 
     def one(name: str) -> list[str]:
-        line = run_model(name, out, args.steps, args.seeds, args.multipliers, args.val_batches, args.threads)
+        line = run_model(name, out, args.steps, args.seeds, args.multipliers, args.val_batches, args.threads,
+                         extend=not args.no_extend, reuse=args.reuse)
         print(f"  {name}: done in {_tuned.seconds(out / name) / 60:.1f} min", flush=True)
         return line
 
@@ -168,20 +191,26 @@ def main(argv: Sequence[str] | None = None) -> None:
               "Muon's steps to AdamW's final", "its train time to it", "seeds Muon ≤ AdamW"]
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for r in rows])
-    variants = ""
+    variants, variants_lr = "", 0.0
     if not args.no_variants and "gpt2" in args.models:
         _, (muon, _), _ = _tuned.tuned(out / "gpt2", ["gpt2_muon", "gpt2_adamw"], "gpt2_adamw")
-        commands["gpt2 Newton-Schulz variants"] = run_variants(out, args.steps, args.seeds, args.val_batches,
-                                                               args.threads, muon.lr)
-        variants, _ = variants_table(out, out / "gpt2")
+        if not (args.reuse and (out / "gpt2_variants" / "seconds").is_file()):
+            commands["gpt2 Newton-Schulz variants"] = run_variants(out, args.steps, args.seeds, args.val_batches,
+                                                                   args.threads, muon.lr)
+        variants, variants_lr = variants_table(out, out / "gpt2")
     elapsed = time.perf_counter() - started
     body = [
         f"Machine: {_common.machine(args.threads)} a fit, {args.jobs} compare commands at a time; load average "
         f"{' '.join(f'{x:.2f}' for x in load_before)} before; {datetime.date.today()}. The whole run took "
-        f"{elapsed / 60:.1f} min.",
+        f"{elapsed / 60:.1f} min; each model's compare commands took "
+        + ", ".join(f"{n} {_tuned.seconds(out / n) / 60:.1f} min" for n in args.models) + ".",
         "",
         f"Each model trained from scratch, {args.steps} steps a fit; each side's lr swept x{{{args.multipliers}}} "
-        f"around its config's at seed 0, then seeds 0–{args.seeds - 1} at its best; Muon + AdamW sweeps the Muon "
+        f"around its config's at seed 0, then seeds 0–{args.seeds - 1} at its best ("
+        + "".join(f"{n}: {MODELS[n]['seeds']} seeds; " for n in args.models if "seeds" in MODELS[n])
+        + f"a best lr at an end of the grid is "
+        f"followed by up to {_tuned.EXTEND} more past it, x2 or x1/2, through `compare --lrs SIDE=LR`, before the "
+        "seeds); Muon + AdamW sweeps the Muon "
         "lr (AdamW on the embeddings, norms and heads at the config's). Final val loss is the last validation "
         f"({args.val_batches} fixed batches), mean ± std over the seeds; \"steps to\" is the first validation of the "
         "Muon side's mean curve at or below AdamW's mean final val loss (validations every 1/6 of the run). "
@@ -195,15 +224,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         "",
     ]
     if variants:
-        body += ["### GPT-2: bf16 Newton-Schulz variants at the Muon side's best lr, the same seeds", "", variants, ""]
+        body += [f"### GPT-2: bf16 Newton-Schulz variants at Muon lr {variants_lr:g} (the Muon side's best), the "
+                 "same seeds", "", variants, ""]
     body += ["Each model's full report (sweep and seeds tables, verdict, plot) is `comparison.md` in its output "
-             "directory. Produced by:", "", "```bash",
+             "directory, copied with its plot to `results/third_party/<model>/`, and the configs to "
+             "`results/third_party/configs/`. Produced by:", "", "```bash",
              shlex.join(["python", "benchmarks/third_party.py", *(sys.argv[1:] if argv is None else argv)]),
              *[f"# {what}: {shlex.join(c)}" for what, c in commands.items()], "```"]
     report = "\n".join(["# Quality on third-party models: Muon + AdamW against AdamW alone, each tuned", "", *body])
     print(report, flush=True)
     (out / "third_party.md").write_text(report + "\n")
     if args.write:
+        keep = RESULTS / "third_party"
+        for name in [*args.models, *(["gpt2_variants"] if variants else [])]:
+            (keep / name).mkdir(parents=True, exist_ok=True)
+            for file in ("comparison.md", "comparison.png"):
+                shutil.copy(out / name / file, keep / name / file)
+        shutil.copytree(out / "configs", keep / "configs", dirs_exist_ok=True)
         _report.write_markdown("third_party", report + "\n")
         print(f"Wrote {_report.RESULTS / 'third_party.md'} and its section of {_report.RESULTS_MD}")
 
