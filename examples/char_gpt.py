@@ -27,7 +27,7 @@ from torch.nn import functional as F
 from lightning_muon import MuonMixin
 from lightning_muon.examples.text_data import StdlibTextDataModule
 
-__all__ = ["GPT", "CharGPT", "StdlibTextDataModule"]
+__all__ = ["GPT", "ByteLM", "CharGPT", "StdlibTextDataModule", "pretrained_weights"]
 
 VOCAB_SIZE = 256  # bytes
 
@@ -80,7 +80,29 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(L.LightningModule):
+class ByteLM(L.LightningModule):
+    """The steps of a byte-level language model (vocabulary 256) on ``(inputs, targets)`` windows of shape
+    ``(batch, time)``, targets shifted by one: cross-entropy of ``forward``'s logits ``(batch, time, 256)``,
+    logged as ``train_loss`` and, per validation epoch, ``val_loss`` and ``val_bpb`` (bits per byte,
+    ``val_loss / ln 2``). `GPT` and `lightning_muon.examples.third_party.ThirdPartyLM` are ones."""
+
+    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        inputs, targets = batch
+        logits = self(inputs)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        loss = self.loss(batch)
+        self.log("val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True)
+        self.log("val_bpb", loss / math.log(2), on_epoch=True, sync_dist=True)
+
+
+class GPT(ByteLM):
     """A nanoGPT-style byte-level language model (vocabulary 256).
 
     Batches are ``(inputs, targets)`` of shape ``(batch, time)``, targets
@@ -152,21 +174,6 @@ class GPT(L.LightningModule):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
-
-    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        inputs, targets = batch
-        logits = self(inputs)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self.loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss = self.loss(batch)
-        self.log("val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True)
-        self.log("val_bpb", loss / math.log(2), on_epoch=True, sync_dist=True)
 
     def configure_model(self) -> None:
         """Under ``ModelParallelStrategy`` (FSDP2), shard every block and then the whole model."""

@@ -20,7 +20,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from lightning_muon import MuonMixin
 from lightning_muon.examples._extras import sklearn_digits
 
-__all__ = ["CNN", "DigitsCNN", "DigitsDataModule"]
+__all__ = ["CNN", "DigitsCNN", "DigitsClassifier", "DigitsDataModule"]
 
 NUM_CLASSES = 10
 
@@ -87,7 +87,36 @@ def conv_block(in_channels: int, out_channels: int, stride: int = 1) -> nn.Seque
     )
 
 
-class CNN(L.LightningModule):
+class DigitsClassifier(L.LightningModule):
+    """The steps of a 10-class classifier on ``(images, labels)`` batches: cross-entropy of ``forward``'s logits
+    ``(batch, 10)``, logged as ``train_loss``, ``val_loss``, ``val_acc`` and ``test_acc`` (top-1 accuracy). `CNN`
+    and `lightning_muon.examples.third_party.ThirdPartyDigits` are ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_acc = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")  # the fraction right
+        self.test_acc = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, labels = batch
+        loss = F.cross_entropy(self(images), labels)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        logits = self(images)
+        self.val_acc(logits, labels)
+        self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True, sync_dist=True)
+        self.log("val_acc", self.val_acc, prog_bar=True)
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        self.test_acc(self(images), labels)
+        self.log("test_acc", self.test_acc)
+
+
+class CNN(DigitsClassifier):
     """``stem`` conv (1 -> channels), conv blocks, global average pooling, ``classifier`` Linear.
 
     Batches are ``(images, labels)``; cross-entropy loss. Logs ``train_loss``,
@@ -114,32 +143,12 @@ class CNN(L.LightningModule):
         self.blocks = nn.Sequential(*(conv_block(c_in, c_out, s) for c_in, c_out, s in layers))
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(2 * channels, NUM_CLASSES)
-        self.val_acc = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")  # the fraction right
-        self.test_acc = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")
 
     def forward(self, images: Tensor) -> Tensor:
         """Logits ``(batch, 10)`` for images ``(batch, 1, 8, 8)``."""
         x = F.relu(self.stem_norm(self.stem(images)))
         x = self.blocks(x).mean(dim=(2, 3))
         return self.classifier(self.dropout(x))
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        images, labels = batch
-        loss = F.cross_entropy(self(images), labels)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        images, labels = batch
-        logits = self(images)
-        self.val_acc(logits, labels)
-        self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True, sync_dist=True)
-        self.log("val_acc", self.val_acc, prog_bar=True)
-
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        images, labels = batch
-        self.test_acc(self(images), labels)
-        self.log("test_acc", self.test_acc)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW on every parameter: used by `CNN` alone, never by `DigitsCNN` (the mixin brings its own pair)."""

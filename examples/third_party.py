@@ -12,15 +12,13 @@ its own (`MuonThirdPartyLM`, `MuonThirdPartyDigits` are the one-line Muon versio
 
 from __future__ import annotations
 
-import math
-
-import lightning as L
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from lightning_muon import MuonMixin
 from lightning_muon.examples._extras import require
+from lightning_muon.examples.char_gpt import ByteLM
+from lightning_muon.examples.digits_cnn import DigitsClassifier
 
 __all__ = ["FAMILIES", "MuonThirdPartyDigits", "MuonThirdPartyLM", "ThirdPartyDigits", "ThirdPartyLM", "build_lm"]
 
@@ -59,10 +57,10 @@ def build_lm(family: str, n_layer: int, n_head: int, n_embd: int, block_size: in
     return transformers.GPT2LMHeadModel(config)
 
 
-class ThirdPartyLM(L.LightningModule):
+class ThirdPartyLM(ByteLM):
     """A byte-level causal LM another library builds (`build_lm`), trained on ``(inputs, targets)`` windows.
 
-    Logs ``train_loss`` and, per validation epoch, ``val_loss`` and ``val_bpb`` (as `GPT` does). On its own it
+    Its steps and logs are `ByteLM`'s (``train_loss``, ``val_loss``, ``val_bpb``, as `GPT`'s). On its own it
     trains with AdamW (lr 1e-3, betas (0.9, 0.95)); `MuonThirdPartyLM` is the Muon version.
 
     Args:
@@ -86,21 +84,6 @@ class ThirdPartyLM(L.LightningModule):
             return self.model(idx)
         return self.model(input_ids=idx).logits
 
-    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        inputs, targets = batch
-        logits = self(inputs)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        loss = self.loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        loss = self.loss(batch)
-        self.log("val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True)
-        self.log("val_bpb", loss / math.log(2), on_epoch=True, sync_dist=True)
-
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW on every parameter (`MuonThirdPartyLM` replaces it with the Muon pair)."""
         return torch.optim.AdamW(self.parameters(), lr=1e-3, betas=(0.9, 0.95))
@@ -110,10 +93,10 @@ class MuonThirdPartyLM(MuonMixin, ThirdPartyLM):
     """`ThirdPartyLM` with Muon on the hidden matrices and AdamW on the rest, as routing finds them."""
 
 
-class ThirdPartyDigits(L.LightningModule):
+class ThirdPartyDigits(DigitsClassifier):
     """transformers' ``ResNetForImageClassification`` (random init, one input channel) on 8x8 digits.
 
-    Logs ``train_loss``, ``val_loss`` and ``val_acc``. On its own it trains with AdamW (lr 3e-3);
+    Its steps and logs are `DigitsClassifier`'s (as `CNN`'s). On its own it trains with AdamW (lr 3e-3);
     `MuonThirdPartyDigits` is the Muon version.
 
     Args:
@@ -136,18 +119,6 @@ class ThirdPartyDigits(L.LightningModule):
     def forward(self, images: Tensor) -> Tensor:
         """Logits ``(batch, 10)`` for images ``(batch, 1, 8, 8)``."""
         return self.model(pixel_values=images).logits
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        images, labels = batch
-        loss = F.cross_entropy(self(images), labels)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        images, labels = batch
-        logits = self(images)
-        self.log("val_loss", F.cross_entropy(logits, labels), prog_bar=True, sync_dist=True)
-        self.log("val_acc", (logits.argmax(-1) == labels).float().mean(), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW on every parameter (`MuonThirdPartyDigits` replaces it with the Muon pair)."""
