@@ -21,6 +21,7 @@ import argparse
 import datetime
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -171,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "",
         *verdict(target, results, sides),
         "",
-        "Produced by:",
+        "The compare report and plot are `comparison.md` and `.png` in `--out`'s `compare/` (with `--write`: "
+        "`results/finetune/`, the configs in `results/finetune/configs/`). Produced by:",
         "",
         "```bash",
         shlex.join(["python", "benchmarks/finetune.py", *(sys.argv[1:] if argv is None else argv)]),
@@ -183,6 +185,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(report, flush=True)
     (out / "finetune.md").write_text(report + "\n")
     if args.write:
+        keep = _report.RESULTS / "finetune"
+        keep.mkdir(parents=True, exist_ok=True)
+        for file in ("comparison.md", "comparison.png"):
+            shutil.copy(out / "compare" / file, keep / file)
+        shutil.copytree(out / "configs", keep / "configs", dirs_exist_ok=True)
         _report.write_markdown("finetune", report + "\n")
         print(f"Wrote {_report.RESULTS / 'finetune.md'} and its section of {_report.RESULTS_MD}")
 
