@@ -78,7 +78,7 @@ TRAINER = {"accelerator": "cpu", "devices": 1, "log_every_n_steps": 10, "enable_
            "enable_progress_bar": False}
 
 
-def config(name: str, spec: dict[str, Any], muon: bool, steps: int, **muon_args: Any) -> dict[str, Any]:
+def config(spec: dict[str, Any], muon: bool, steps: int, **muon_args: Any) -> dict[str, Any]:
     """One side's config: ``spec``'s model with Muon + AdamW (or AdamW alone), data and trainer."""
     opt = _tuned.optimizers(spec["muon_lr"], spec["rest_lr"], **muon_args) if muon else \
         _tuned.optimizers(None, spec["adamw_lr"])
@@ -93,7 +93,7 @@ def run_model(name: str, out: Path, steps: int, seeds: int, multipliers: str, va
     spec = MODELS[name]
     seeds = spec.get("seeds", seeds)
     configs = [
-        _tuned.write_config(out / "configs" / f"{name}_{side}.yaml", config(name, spec, side == "muon", steps),
+        _tuned.write_config(out / "configs" / f"{name}_{side}.yaml", config(spec, side == "muon", steps),
                             f"{spec['what']}; written by benchmarks/third_party.py")
         for side in ("muon", "adamw")
     ]
@@ -115,7 +115,7 @@ def run_variants(out: Path, steps: int, seeds: int, val_batches: int, threads: i
                  best_lr: float) -> list[str]:
     """The bf16 Newton-Schulz variants of GPT-2's Muon config, each at ``best_lr`` over ``seeds`` seeds."""
     spec = dict(MODELS["gpt2"], muon_lr=best_lr)
-    configs = [_tuned.write_config(out / "configs" / f"gpt2_{key}.yaml", config("gpt2", spec, True, steps, **args),
+    configs = [_tuned.write_config(out / "configs" / f"gpt2_{key}.yaml", config(spec, True, steps, **args),
                                    f"GPT-2, {what}; written by benchmarks/third_party.py")
                for key, (what, args) in VARIANTS.items()]
     options = ["--seeds", str(seeds), "--val_points", "6", "--trainer.limit_val_batches", str(val_batches),

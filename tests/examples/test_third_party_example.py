@@ -155,12 +155,12 @@ def test_the_studies_configs_build_through_the_real_cli(tmp_path):
 
     checkpoint = tmp_path / "state.pt"
     torch.save(GPT().state_dict(), checkpoint)
-    written = {f"{name}_{side}": third_party.config(name, spec, side == "muon", steps=5)
+    written = {f"{name}_{side}": third_party.config(spec, side == "muon", steps=5)
                for name, spec in third_party.MODELS.items() for side in ("muon", "adamw")
                if name != "litgpt" or importlib.util.find_spec("litgpt") is not None}
     written |= {name: finetune.side_config(name, checkpoint, steps=5) for name in finetune.SIDES}
     for key, (_, args) in third_party.VARIANTS.items():
-        written[f"gpt2_{key}"] = third_party.config("gpt2", third_party.MODELS["gpt2"], True, steps=5, **args)
+        written[f"gpt2_{key}"] = third_party.config(third_party.MODELS["gpt2"], True, steps=5, **args)
     for name, config in written.items():
         path = third_party._tuned.write_config(tmp_path / f"{name}.yaml", config, "a test")
         cli = MuonCLI(args=["--config", str(path), "--trainer.logger=false"], run=False)
