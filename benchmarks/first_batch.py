@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pandas as pd
 import torch
-from parent_lr import series_frame
+from parent_lr import deepar_estimator, series_frame
 from torch import nn
 
 from lightning_muon import MuonMixin
@@ -72,7 +72,7 @@ def forecasting(parent_name: str, dataset_kwargs: dict, model_kwargs: dict) -> C
 
 def deepar() -> tuple:
     from gluonts.dataset.common import ListDataset
-    from gluonts.torch.model.deepar import DeepAREstimator, DeepARLightningModule
+    from gluonts.torch.model.deepar import DeepARLightningModule
 
     class MuonDeepAR(MuonMixin, DeepARLightningModule):
         pass
@@ -83,12 +83,7 @@ def deepar() -> tuple:
                         for i in range(8)], freq="h")
     seen = FirstBatch()
     with tempfile.TemporaryDirectory() as root:
-        estimator = DeepAREstimator(
-            freq="h", prediction_length=6, context_length=24, hidden_size=32, num_layers=2, batch_size=32,
-            num_batches_per_epoch=STEPS,
-            trainer_kwargs=dict(max_epochs=1, accelerator="cpu", enable_progress_bar=False, logger=False,
-                                enable_model_summary=False, callbacks=[seen], default_root_dir=root),
-        )
+        estimator = deepar_estimator(STEPS, seen, root)
         with mock.patch("gluonts.torch.model.deepar.estimator.DeepARLightningModule", MuonDeepAR):
             model = estimator.train_model(data).trained_net
     return model, seen.batch

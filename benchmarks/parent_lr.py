@@ -110,9 +110,22 @@ def nbeats(setting: str, seed: int):
     )
 
 
+def deepar_estimator(steps: int, callback: object, root: str):
+    """gluonts' ``DeepAREstimator`` as these benchmarks train it: a small 2-layer DeepAR, one epoch of ``steps``
+    batches on the CPU, quiet, with ``callback`` on its Trainer."""
+    from gluonts.torch.model.deepar import DeepAREstimator
+
+    return DeepAREstimator(
+        freq="h", prediction_length=6, context_length=24, hidden_size=32, num_layers=2, batch_size=32,
+        num_batches_per_epoch=steps,
+        trainer_kwargs=dict(max_epochs=1, accelerator="cpu", enable_progress_bar=False, logger=False,
+                            enable_model_summary=False, callbacks=[callback], default_root_dir=root),
+    )
+
+
 def deepar(setting: str, seed: int):
     from gluonts.dataset.common import ListDataset
-    from gluonts.torch.model.deepar import DeepAREstimator, DeepARLightningModule
+    from gluonts.torch.model.deepar import DeepARLightningModule
 
     rng = np.random.default_rng(0)
     start = pd.Period("2020-01-01", freq="h")
@@ -127,12 +140,7 @@ def deepar(setting: str, seed: int):
             super().__init__(**kwargs, **extra)
 
     with tempfile.TemporaryDirectory() as root:
-        estimator = DeepAREstimator(
-            freq="h", prediction_length=6, context_length=24, hidden_size=32, num_layers=2, batch_size=32,
-            num_batches_per_epoch=STEPS,
-            trainer_kwargs=dict(max_epochs=1, accelerator="cpu", enable_progress_bar=False, logger=False,
-                                enable_model_summary=False, callbacks=[losses], default_root_dir=root),
-        )
+        estimator = deepar_estimator(STEPS, losses, root)
         pl.seed_everything(seed)
         with mock.patch("gluonts.torch.model.deepar.estimator.DeepARLightningModule", MuonDeepAR):
             estimator.train_model(data)
