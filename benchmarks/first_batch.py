@@ -29,7 +29,8 @@ from parent_lr import deepar_estimator, series_frame
 from torch import nn
 
 from lightning_muon import MuonMixin
-from lightning_muon.routing import Routing, route_parameters, traced
+from lightning_muon.lightning._update_loop import loss_in
+from lightning_muon.routing import Routing, route_parameters, trace_step
 
 import _common
 import _report
@@ -167,9 +168,7 @@ def forward_seconds(model: MuonMixin, batch: Any, trace: bool) -> float:
         start = time.perf_counter()
         with torch.no_grad(), mock.patch.object(model, "log", lambda *a, **k: None):  # no fit: nothing to log to
             if trace:
-                with traced(model, batch) as t:
-                    loss = step(batch, 0)
-                t.roles(loss if isinstance(loss, torch.Tensor) else loss["loss"])
+                trace_step(model, batch, lambda: step(batch, 0), loss_in)
             else:
                 step(batch, 0)
         times.append(time.perf_counter() - start)

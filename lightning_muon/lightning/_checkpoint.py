@@ -16,15 +16,12 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_muon.routing import ADAMW, MUON, Routing
-
-if TYPE_CHECKING:
-    from lightning.pytorch.strategies import Strategy
+from lightning_muon.routing import ADAMW, MUON, GraphRoles, Routing
 
 #: The checkpoint entry lightning_muon writes.
 CHECKPOINT_KEY = "lightning_muon"
@@ -34,6 +31,26 @@ def optimizer_names(routing: Routing) -> dict[str, list[str]]:
     """The parameter names each optimizer holds, in order, from where the parameters really go
     (`MuonMixin.muon_routing`: all on AdamW, ``hidden`` group first, for ``muon=None``)."""
     return {MUON: routing.names(MUON), ADAMW: routing.names(ADAMW)}
+
+
+def record(routing: Routing, roles: GraphRoles | None, loop_state: dict[str, int]) -> dict[str, Any]:
+    """What a checkpoint holds under `CHECKPOINT_KEY`: each optimizer's parameter names, every routed
+    parameter's shape, the first batch's roles (where one was seen) and the update loop's counters."""
+    saved: dict[str, Any] = {
+        "routing": optimizer_names(routing),
+        "shapes": {r.name: list(r.shape) for r in routing.routes},
+        **loop_state,
+    }
+    if roles is not None:
+        saved["roles"] = roles.to_dict()
+    return saved
+
+
+def check_resume(saved: dict[str, Any], routing: Routing) -> None:
+    """Refuse a resume whose model (`check_same_model`) or routing (`check_routing`) differs from the saved."""
+    current = optimizer_names(routing)
+    check_same_model(saved, current, {r.name: r.shape for r in routing.routes})
+    check_routing(saved, current)
 
 
 def routing_differences(saved: dict[str, list[str]], current: dict[str, list[str]]) -> list[str]:
@@ -48,22 +65,44 @@ def routing_differences(saved: dict[str, list[str]], current: dict[str, list[str
     return differences
 
 
-def check_same_model(saved: dict[str, Any], current: dict[str, list[str]]) -> None:
-    """Refuse a resume whose model has other trainable parameters than the one that saved the checkpoint (built
-    with other arguments, or another version of its code): that is not a routing choice, and the routing
-    check would say it is."""
+def model_differences(saved: dict[str, Any], current: dict[str, list[str]],
+                      shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """One line per trainable parameter added, removed or reshaped since the checkpoint was saved (shapes are
+    compared where the checkpoint recorded them)."""
     then = set(saved["routing"][MUON]) | set(saved["routing"][ADAMW])
     now = set(current[MUON]) | set(current[ADAMW])
-    if then == now:
-        return
+    saved_shapes = {name: tuple(shape) for name, shape in saved.get("shapes", {}).items()}
     lines = [f"  {name}: in the checkpoint, not in this model" for name in sorted(then - now)]
     lines += [f"  {name}: in this model, not in the checkpoint" for name in sorted(now - then)]
-    shown = "\n".join(lines[:20]) + (f"\n  ... and {len(lines) - 20} more" if len(lines) > 20 else "")
+    lines += [
+        f"  {name}: {_dims(saved_shapes[name])} in the checkpoint, {_dims(shapes[name])} in this model"
+        for name in sorted(then & now) if name in saved_shapes and name in shapes and saved_shapes[name] != shapes[name]
+    ]
+    return lines
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) or "scalar"
+
+
+def check_same_model(saved: dict[str, Any], current: dict[str, list[str]],
+                     shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Refuse a resume whose model has other trainable parameters (or other shapes) than the one that saved the
+    checkpoint (built with other arguments, or another version of its code): that is not a routing choice, and
+    the routing check would say it is."""
+    lines = model_differences(saved, current, shapes or {})
+    if not lines:
+        return
     raise MisconfigurationException(
         "This checkpoint was saved by a model with other trainable parameters than this one: it was built "
-        f"differently, which no routing choice explains. Differences:\n{shown}\nBuild the model as it was when "
-        "the checkpoint was saved (its hyperparameters are in checkpoint['hyper_parameters'])."
+        f"differently, which no routing choice explains. Differences:\n{first_lines(lines, 20)}\nBuild the model as "
+        "it was when the checkpoint was saved (its hyperparameters are in checkpoint['hyper_parameters'])."
     )
+
+
+def first_lines(lines: list[str], limit: int) -> str:
+    """At most ``limit`` of ``lines``, then how many more there are."""
+    return "\n".join(lines[:limit]) + (f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
 
 
 def check_routing(saved: dict[str, Any], current: dict[str, list[str]]) -> None:
@@ -75,6 +114,15 @@ def check_routing(saved: dict[str, Any], current: dict[str, list[str]]) -> None:
             "loaded into the wrong parameters. Differences:\n" + "\n".join(differences) + "\n"
             "Resume with the muon_params/adamw_params (and muon class) the checkpoint was trained with."
         )
+
+
+def saved_record(checkpoint: dict[str, Any], resuming: bool) -> dict[str, Any] | None:
+    """The checkpoint's `record` (``None`` where it has none); a fit ``resuming`` from a checkpoint with optimizer
+    states but no record is refused (`refuse_foreign_optimizer_states`)."""
+    saved = checkpoint.get(CHECKPOINT_KEY)
+    if saved is None and resuming:
+        refuse_foreign_optimizer_states(checkpoint)
+    return saved
 
 
 def refuse_foreign_optimizer_states(checkpoint: dict[str, Any]) -> None:
@@ -92,20 +140,15 @@ def refuse_foreign_optimizer_states(checkpoint: dict[str, Any]) -> None:
     )
 
 
-def name_unreadable_checkpoints(strategy: Strategy, before_load: Callable[[Strategy, Any], None]) -> None:
-    """Make the strategy's checkpoint loading say what is wrong with the file and what to do, instead of torch's
-    bare errors: an empty or truncated file (a run stopped while saving it), an FSDP2 checkpoint directory on a
-    strategy that reads one file, a one-file checkpoint under FSDP2 (Lightning maps each optimizer's states onto
-    the model's parameters in order, which does not hold for Muon + AdamW). The fit's ``ckpt_path`` is loaded by
-    ``strategy.load_checkpoint`` before any module hook runs, hence the wrapper; ``before_load(strategy, path)`` runs
-    first (a distributed checkpoint's optimizer states load into the optimizers as they stand)."""
-    load = strategy.load_checkpoint
-    if getattr(load, "_muon_names_files", False):
-        return
-    name = type(strategy).__name__
+def naming_unreadable_files(load: Callable[..., Any], strategy_name: str) -> Callable[..., Any]:
+    """``load`` (strategy ``strategy_name``'s ``load_checkpoint``), saying what is wrong with the file and what to
+    do instead of torch's bare errors: an empty or truncated file (a run stopped while saving it), an FSDP2
+    checkpoint directory on a strategy that reads one file, a one-file checkpoint under FSDP2 (Lightning maps each
+    optimizer's states onto the model's parameters in order, which does not hold for Muon + AdamW). The fit's
+    ``ckpt_path`` is loaded by ``strategy.load_checkpoint`` before any module hook runs, hence a wrapper."""
+    name = strategy_name
 
     def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        before_load(strategy, checkpoint_path)
         try:
             return load(checkpoint_path, *args, **kwargs)
         except IsADirectoryError as error:
@@ -135,8 +178,7 @@ def name_unreadable_checkpoints(strategy: Strategy, before_load: Callable[[Strat
                 ) from error
             raise
 
-    load_checkpoint._muon_names_files = True  # type: ignore[attr-defined]
-    strategy.load_checkpoint = load_checkpoint  # type: ignore[method-assign]
+    return load_checkpoint
 
 
 def consolidate(directory: str | os.PathLike, out: str | os.PathLike) -> Path:

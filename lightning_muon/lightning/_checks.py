@@ -34,6 +34,12 @@ BY_HAND = (
     "the discriminator)."
 )
 
+#: Why ``toggle_optimizer`` is refused.
+TOGGLE_REFUSED = (
+    "toggle_optimizer switches off the gradients of the other optimizer's parameters, but MuonMixin "
+    "steps Muon and AdamW together on one loss. Remove the toggle_optimizer/untoggle_optimizer calls."
+)
+
 
 def by_hand(module: LightningModule, where: str) -> MisconfigurationException:
     """The refusal of a module that optimizes by hand, found at run time (``where`` says how)."""
@@ -178,3 +184,31 @@ def replaced_message(
     if ignored:
         lines.append("Ignored: " + "; ".join(ignored) + ".")
     return " ".join(lines), bool(ignored)
+
+
+def own_classes(cls: type, mixin: type) -> list[type]:
+    """The model's own classes, most derived first: its MRO without ``mixin`` and Lightning's classes."""
+    return [k for k in cls.__mro__ if k is not mixin and not _compat.is_lightning_module_base(k)]
+
+
+def check_bases(cls: type, mixin: type) -> None:
+    """At class definition: ``mixin`` must come before every base that defines ``training_step`` or
+    ``configure_optimizers``, and the class itself must not define ``configure_optimizers``."""
+    mro = cls.__mro__
+    for klass in mro[1 : mro.index(mixin)]:
+        if issubclass(klass, mixin):
+            continue
+        overrides = [hook for hook in ("training_step", "configure_optimizers") if hook in vars(klass)]
+        if overrides:
+            bases = [b.__name__ for b in cls.__bases__ if not issubclass(b, mixin)]
+            raise TypeError(
+                f"{mixin.__name__} must come first in the bases of {cls.__name__}: {klass.__name__} defines "
+                f"{' and '.join(overrides)}, which would replace the mixin's. Write:\n"
+                f"    class {cls.__name__}({', '.join([mixin.__name__, *bases])}):"
+            )
+    if "configure_optimizers" in vars(cls):
+        raise TypeError(
+            f"{cls.__name__} defines configure_optimizers, which replaces {mixin.__name__}'s pair of optimizers. "
+            "Remove it and configure the optimizers with the mixin's arguments "
+            "(muon=..., adamw=..., lr_scheduler=...)."
+        )

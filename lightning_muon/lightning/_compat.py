@@ -19,7 +19,7 @@ import contextlib
 import functools
 import importlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -190,3 +190,16 @@ def optimizers_and_schedulers(optim_conf: Any) -> tuple[list[Any], list[Any]]:
 def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
     """The Trainer a module is attached to, or ``None`` (``module.trainer`` raises when there is none)."""
     return module._trainer
+
+
+def take_compiled_training_step(module: pl.LightningModule) -> Callable[[Callable[..., Any]], Any] | None:
+    """``trainer.fit(torch.compile(model))``: Lightning (``from_compiled``) gives the module a compiled
+    ``training_step``, which would compile MuonMixin's whole update (backward, optimizer steps, the first batch's
+    trace) into the region. Give the module its class's ``training_step`` back and return the compiler (the
+    ``dynamo_ctx`` Lightning keeps in ``_compiler_ctx``) for the parent's step alone; ``None`` when the module was
+    not compiled."""
+    context = getattr(module, "_compiler_ctx", None)
+    if not context or context.get("compiler") != "dynamo":
+        return None
+    vars(module).pop("training_step", None)
+    return context["dynamo_ctx"]

@@ -3,36 +3,49 @@
 The optimizers are built (``configure_optimizers``) before any batch is seen, from the name and structure rules.
 The first batch of the fit shows what those rules can only guess: which matrices feed the loss through no other
 matrix (output heads, all of them) and which read the batch through no other matrix (input layers, whatever
-their width). `FirstBatch` follows that batch's forward (`lightning_muon.routing.traced`), checks that every rank
-reached the same routing, and, where it differs from the structural one, moves the parameters between the
-optimizers' groups before their first step, while they hold no state; schedulers are built again for the new
-groups. The module keeps what the batch showed (`GraphRoles`) for the rest of its life and in its checkpoints,
-so a resumed fit trains with the routing it was saved with.
+their width). Finding those roles is one pure step of `lightning_muon.routing` (`trace_step`, which returns
+them); this module applies them, with explicit arguments: `routing_for` the routing they give, `check_ranks_agree`
+that every rank reached the same one, and `correct_optimizers` moves parameters between the optimizers' groups
+before their first step, while they hold no state (schedulers are built again for the new groups).
+
+The module keeps the roles (`MuonMixin.muon_roles`) for the rest of its life and in its checkpoints, so a resumed
+fit trains with the routing it was saved with; `restore_roles_first` gives a distributed checkpoint's roles to the
+optimizers before its optimizer states load into them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
 
 from lightning_muon.lightning._checkpoint import CHECKPOINT_KEY
-from lightning_muon.routing import ADAMW, MUON, GraphRoles, Routing, traced
-from lightning_muon.routing._trace import RoleTrace
+from lightning_muon.optim.muon import Muon
+from lightning_muon.routing import ADAMW, MUON, GraphRoles, Routing, route_parameters
 
 if TYPE_CHECKING:
-    from lightning.pytorch import LightningModule
-    from lightning.pytorch.strategies import Strategy
+    import lightning.pytorch as pl
 
     from lightning_muon.lightning._config import MuonConfig
-    from lightning_muon.lightning.mixin import MuonMixin
+
+
+def routing_for(module: nn.Module, config: MuonConfig, roles: GraphRoles | None) -> Routing:
+    """Where ``module``'s trainable parameters go under ``config`` (patterns, Muon class, ``muon=None``), with
+    the output heads and input layers of ``roles`` (``None``: from names and structure)."""
+    muon_class = config.muon_class
+    routing = route_parameters(
+        module,
+        muon_params=config.muon_params,
+        adamw_params=config.adamw_params,
+        muon_nd=muon_class is not None and issubclass(muon_class, Muon),
+        graph=roles,
+    )
+    return routing if config.muon_enabled else routing.all_on_adamw("muon=None: on AdamW")
 
 
 def group_layout(routing: Routing) -> list[list[tuple[str, list[str]]]]:
@@ -46,52 +59,24 @@ def holds(optimizers: list[torch.optim.Optimizer], routing: Routing) -> bool:
     return [groups for groups in held if groups] == [groups for groups in group_layout(routing) if groups]
 
 
-class FirstBatch:
-    """Follows the first training batch of a fit and applies what it shows (see the module's docstring)."""
-
-    def __init__(self) -> None:
-        self._trace: RoleTrace | None = None
-
-    @contextlib.contextmanager
-    def trace(self, module: LightningModule, args: tuple, kwargs: dict) -> Iterator[None]:
-        """Follow the parent's ``training_step`` run inside this block; its batch is its first argument."""
-        batch = args[0] if args else kwargs.get("batch")
-        with traced(module, batch) as trace:
-            self._trace = trace
-            yield
-
-    def decide(self, module: MuonMixin, loss: torch.Tensor | None) -> None:
-        """Keep what the batch showed on the module, once every rank agrees; correct the optimizers where it moves
-        parameters, and say what moved (INFO)."""
-        assert self._trace is not None, "decide() after trace()"
-        start = time.perf_counter()
-        roles = self._trace.roles(loss)
-        before = module.muon_routing()
-        module._muon_graph = roles
-        try:
-            after = module.muon_routing()
-            check_ranks_agree(module, after)
-        except BaseException:
-            module._muon_graph = None  # a later fit follows its own first batch
-            raise
-        if not holds(module.trainer.optimizers, after):
-            correct_optimizers(module, after)
-        took = f"{(time.perf_counter() - start) * 1000:.0f} ms" + (f"; {roles.note}" if roles.note else "")
-        moved = [a for a, b in zip(after.routes, before.routes, strict=True) if (a.optimizer, a.group) != (
-            b.optimizer, b.group)]
-        if not moved:
-            rank_zero_info(f"MuonMixin: the first training batch confirmed the routing ({took}).")
-            return
-        lines = "\n".join(f"  {r.name}: {r.optimizer} ({r.reason})" for r in moved)
-        rank_zero_info(
-            f"MuonMixin: the first training batch moved {len(moved)} parameter(s) before the first update ({took}):"
-            f"\n{lines}\n" + after.render()
-        )
+def moves_message(before: Routing, after: Routing, roles: GraphRoles, took_s: float) -> str:
+    """What the first batch did to the routing, for people: confirmed it, moved parameters, or could not tell."""
+    took = f"{took_s * 1000:.0f} ms" + (f"; {roles.note}" if roles.note else "")
+    if roles.heads is None and roles.inputs is None:
+        return (f"MuonMixin: the first training batch could not be followed ({roles.note}); output heads and "
+                "input layers stay as names and structure decided them.")
+    moved = [a for a, b in zip(after.routes, before.routes, strict=True)
+             if (a.optimizer, a.group) != (b.optimizer, b.group)]
+    if not moved:
+        return f"MuonMixin: the first training batch confirmed the routing ({took})."
+    lines = "\n".join(f"  {r.name}: {r.optimizer} ({r.reason})" for r in moved)
+    return (f"MuonMixin: the first training batch moved {len(moved)} parameter(s) before the first update ({took}):"
+            f"\n{lines}\n" + after.render())
 
 
-def check_ranks_agree(module: LightningModule, routing: Routing) -> None:
+def check_ranks_agree(trainer: pl.Trainer, routing: Routing) -> None:
     """Every rank must train with the same routing (each saw its own batch): refuse, on every rank, otherwise."""
-    if module.trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+    if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return
     layouts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(layouts, group_layout(routing))
@@ -114,14 +99,13 @@ def _where(layout: list[list[tuple[str, list[str]]]]) -> dict[str, tuple[str, st
     return {n: (o, g) for o, groups in zip((MUON, ADAMW), layout, strict=True) for g, names in groups for n in names}
 
 
-def correct_optimizers(module: MuonMixin, routing: Routing) -> None:
-    """Give the fit's optimizers (which hold no state yet) the param groups of ``routing``, in place, and build
-    their schedulers again for the new groups. The optimizer objects stay the same (callbacks may hold them)."""
-    trainer = module.trainer
+def correct_optimizers(trainer: pl.Trainer, routing: Routing, config: MuonConfig) -> None:
+    """Give the fit's optimizers (which hold no state yet) the param groups of ``routing``, built as ``config``
+    builds them, in place, and build their schedulers again for the new groups. The optimizer objects stay the
+    same (callbacks may hold them)."""
     optimizers = list(trainer.optimizers)
     if any(o.state for o in optimizers):
         raise RuntimeError("lightning_muon: the routing can only be corrected before the optimizers' first step")
-    config: MuonConfig = module._optimizer_config()
     # The tensors the optimizers hold, by name: during a training step FSDP2's modules hold unsharded copies of
     # their parameters, while the optimizers must keep the sharded ones they were built with.
     held = {n: p for o in optimizers for g in o.param_groups
@@ -151,29 +135,27 @@ def correct_optimizers(module: MuonMixin, routing: Routing) -> None:
         scheduler_config.scheduler = built_config["scheduler"]
 
 
-def restore_roles(module: MuonMixin, saved: dict[str, Any], resuming: bool) -> None:
-    """A checkpoint's record (``checkpoint["lightning_muon"]``) gives the module the roles it trained with; a
-    resumed fit whose checkpoint has none (saved before a first batch was followed) keeps the structural routing
-    it was saved with. Optimizers built already (FSDP2 restores after setup), still without state, get the
-    routing's groups before their states are loaded."""
-    if "graph" in saved:
-        module._muon_graph = GraphRoles.from_dict(saved["graph"])
-    elif resuming:
-        module._muon_graph = GraphRoles()
-    optimizers = module.trainer.optimizers if resuming else []
-    if optimizers and not any(o.state for o in optimizers):
-        routing = module.muon_routing()
-        if not holds(optimizers, routing):
-            correct_optimizers(module, routing)
+def saved_roles(saved: dict[str, Any], resuming: bool) -> GraphRoles | None:
+    """The roles a checkpoint's record (``checkpoint["lightning_muon"]``) trained with. A resumed fit whose
+    checkpoint has none (saved before a first batch was followed) keeps the structural routing it was saved with
+    (empty roles); a load without a fit, ``None``. Records written before the key was ``"roles"`` say ``"graph"``."""
+    data = saved.get("roles", saved.get("graph"))
+    if data is not None:
+        return GraphRoles.from_dict(data)
+    return GraphRoles() if resuming else None
 
 
-def restore_roles_before_loading(strategy: Strategy, checkpoint_path: Any) -> None:
-    """Before a distributed checkpoint (a directory, FSDP2) is read: its optimizer states load into the
-    optimizers as they stand, so they must hold the checkpoint's routing first (its ``meta.pt`` has the roles)."""
-    module = strategy.lightning_module
-    meta = Path(checkpoint_path) / "meta.pt" if isinstance(checkpoint_path, (str, Path)) else None
-    if meta is None or not meta.is_file() or not hasattr(module, "_muon_graph"):
-        return
-    saved = torch.load(meta, map_location="cpu", weights_only=False).get(CHECKPOINT_KEY)
-    if saved is not None:
-        restore_roles(module, saved, resuming=True)  # type: ignore[arg-type]  # a MuonMixin (checked above)
+def restore_roles_first(load: Callable[..., Any], load_roles: Callable[[dict[str, Any]], None]) -> Callable[..., Any]:
+    """``load`` (a strategy's ``load_checkpoint``), giving a distributed checkpoint's record to ``load_roles``
+    before it reads the file: a directory's optimizer states load into the optimizers as they stand, so they must
+    hold the checkpoint's routing first (its ``meta.pt`` has the roles). One-file checkpoints are left alone."""
+
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        meta = Path(checkpoint_path) / "meta.pt" if isinstance(checkpoint_path, (str, Path)) else None
+        if meta is not None and meta.is_file():
+            saved = torch.load(meta, map_location="cpu", weights_only=False).get(CHECKPOINT_KEY)
+            if saved is not None:
+                load_roles(saved)
+        return load(checkpoint_path, *args, **kwargs)
+
+    return load_checkpoint

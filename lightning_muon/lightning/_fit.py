@@ -7,32 +7,41 @@ that Lightning's manual-optimization check lets them through), resolves them aga
 gives them back at its end. Given in both places with different values, the fit is refused before it trains,
 naming both.
 
+The fit's state also applies what the fit's first training batch shows (`follow_first_batch`: the roles of
+`lightning_muon.routing.trace_step`, applied by `lightning_muon.lightning._first_batch`), and, for
+``trainer.fit(torch.compile(model))``, compiles the parent's ``training_step`` alone (`compiler`), never the
+update around it.
+
 The mixin creates a `FitState` in ``configure_callbacks`` (the first hook of a fit) and drops it in
 ``teardown``; its methods are named after the hooks that call them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningRateFinder
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_muon.lightning import _checkpoint, _checks, _compat
+from lightning_muon.lightning import _checkpoint, _checks, _compat, _first_batch
 from lightning_muon.lightning._config import MuonConfig
-from lightning_muon.lightning._first_batch import restore_roles_before_loading
-from lightning_muon.lightning._update_loop import UpdateSettings
+from lightning_muon.lightning._update_loop import UpdateSettings, loss_in
+from lightning_muon.routing import GraphRoles, Routing, trace_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch import LightningModule
+    from torch.optim import Optimizer
 
 
 class FitState:
     """One fit's settings and what it borrowed from the Trainer.
 
     Args:
+        config: the mixin's configuration.
         settings: what each update uses (clipping, the skip limit).
         accumulate_grad_batches: micro-batches per update (before a ``GradientAccumulationScheduler`` changes it
             at an epoch start).
@@ -42,31 +51,49 @@ class FitState:
 
     def __init__(
         self,
+        config: MuonConfig,
         settings: UpdateSettings,
         accumulate_grad_batches: int,
         accumulation_scheduler: GradientAccumulationScheduler | None,
         trainer_flags: _compat.TrainerFlags,
     ) -> None:
+        self.config = config
         self.settings = settings
         self.accumulate_grad_batches = accumulate_grad_batches
         self.accumulation_scheduler = accumulation_scheduler
         self.trainer_flags = trainer_flags
         #: The monitor-driven schedulers: id -> (metric, strict), which manual optimization would drop.
         self.monitors: dict[int, tuple[str, bool]] = {}
+        #: What the optimizers were built from (``parent_lr=True``: at the parent's lr), from configure_optimizers.
+        self.optimizer_config = config
+        #: ``torch.compile(model)``'s compiler, for the parent's ``training_step`` (``None``: not compiled).
+        self.compiler: Callable[[Callable[..., Any]], Any] | None = None
+        #: The strategy whose ``load_checkpoint`` the fit wraps, and its own before (``None``: its class's).
+        self._wrapped_load: tuple[Any, Callable[..., Any] | None] | None = None
 
     @classmethod
-    def configure_callbacks(cls, module: LightningModule, config: MuonConfig) -> FitState:
-        """Before Lightning checks the fit: refuse what cannot work, take the Trainer's clipping and accumulation
-        flags (and ``GradientAccumulationScheduler``) for the mixin, and resolve them against ``config``."""
+    def start(cls, module: LightningModule, config: MuonConfig,
+              load_roles: Callable[[dict[str, Any]], None]) -> FitState:
+        """From the mixin's ``configure_callbacks``, before Lightning checks the fit: refuse what cannot work, take
+        the Trainer's clipping and accumulation flags (and ``GradientAccumulationScheduler``) for the mixin and
+        resolve them against ``config``; make the strategy's checkpoint loading name unreadable files and give a
+        distributed checkpoint's record to ``load_roles`` first; take ``torch.compile``'s compiler off the step."""
         trainer = module.trainer
         _checks.check_callbacks(module, config.muon_enabled)
-        _checkpoint.name_unreadable_checkpoints(trainer.strategy, restore_roles_before_loading)
         flags = _compat.take_trainer_flags(trainer)
         try:
-            return resolve(config, flags)
+            fit = resolve(config, flags)
         except Exception:
             _compat.restore_trainer_flags(trainer, flags)
             raise
+        fit._wrap_load(trainer.strategy, load_roles)
+        fit.compiler = _compat.take_compiled_training_step(module)
+        return fit
+
+    def _wrap_load(self, strategy: Any, load_roles: Callable[[dict[str, Any]], None]) -> None:
+        self._wrapped_load = (strategy, vars(strategy).get("load_checkpoint"))
+        named = _checkpoint.naming_unreadable_files(strategy.load_checkpoint, type(strategy).__name__)
+        strategy.load_checkpoint = _first_batch.restore_roles_first(named, load_roles)
 
     def accumulation_at(self, epoch: int) -> int:
         """Micro-batches per update during ``epoch``."""
@@ -79,9 +106,10 @@ class FitState:
         ``estimated_stepping_batches``): give it the fit's number."""
         _compat.set_accumulate_grad_batches(trainer, self.accumulation_at(trainer.current_epoch))
 
-    def configure_optimizers(self, schedulers: list[dict[str, Any]]) -> None:
-        """Keep the monitor of each monitor-driven scheduler config (manual optimization drops it) for
-        `on_fit_start`, taking it out of the config Lightning validates."""
+    def configure_optimizers(self, optimizer_config: MuonConfig, schedulers: list[dict[str, Any]]) -> None:
+        """Keep what the optimizers were built from, and the monitor of each monitor-driven scheduler config
+        (manual optimization drops it) for `on_fit_start`, taking it out of the config Lightning validates."""
+        self.optimizer_config = optimizer_config
         self.monitors = {
             id(c["scheduler"]): (c.pop("monitor"), c.pop("strict", True)) for c in schedulers if "monitor" in c
         }
@@ -100,15 +128,74 @@ class FitState:
         if self.accumulation_scheduler is not None:
             _compat.set_accumulate_grad_batches(trainer, self.accumulation_at(trainer.current_epoch))
 
-    def teardown(self, trainer: pl.Trainer) -> float | None:
-        """Give the Trainer its flags back; return ``lr_find``'s suggestion, if this fit ran one that writes
-        its suggestion back (``None`` otherwise)."""
+    def follow_first_batch(self, module: LightningModule, batch: Any,
+                           run: Callable[[], Any]) -> tuple[Any, GraphRoles | None]:
+        """Run the parent's step (``run``) on the fit's first training batch, following it, and apply the roles it
+        shows before the backward: check that every rank reached the same routing, correct the optimizers where
+        it moves parameters, say what it did (INFO). Returns the step's output and the roles (``None`` where the
+        step returned no loss: the next batch is followed instead)."""
+        start = time.perf_counter()
+        output, roles = trace_step(module, batch, run, loss_in)
+        if loss_in(output) is None:
+            return output, None
+        before = _first_batch.routing_for(module, self.config, None)
+        after = _first_batch.routing_for(module, self.config, roles)
+        _first_batch.check_ranks_agree(module.trainer, after)
+        self.hold(module.trainer, after)
+        rank_zero_info(_first_batch.moves_message(before, after, roles, time.perf_counter() - start))
+        return output, roles
+
+    def hold(self, trainer: pl.Trainer, routing: Routing) -> None:
+        """Make the fit's optimizers, where they are built and hold no state yet, hold ``routing``'s groups."""
+        optimizers = trainer.optimizers
+        if optimizers and not any(o.state for o in optimizers) and not _first_batch.holds(optimizers, routing):
+            _first_batch.correct_optimizers(trainer, routing, self.optimizer_config)
+
+    def teardown(self, module: LightningModule, config: MuonConfig) -> MuonConfig:
+        """Give the Trainer its flags and the strategy its ``load_checkpoint`` back; return ``config`` for the
+        next fit: with AdamW's lr set to ``lr_find``'s suggestion where this fit ran one that writes its
+        suggestion back, on the ``muon=None`` baseline (the saved hyperparameters say so too)."""
+        trainer = module.trainer
         _compat.restore_trainer_flags(trainer, self.trainer_flags)
+        if self._wrapped_load is not None:
+            strategy, own = self._wrapped_load
+            if own is not None:
+                strategy.load_checkpoint = own
+            else:
+                vars(strategy).pop("load_checkpoint", None)
         finders = _compat.lightning_classes(LearningRateFinder)
         finder = next((c for c in _compat.trainer_callbacks(trainer) if isinstance(c, finders)), None)
         if finder is None or finder.optimal_lr is None or not _compat.lr_finder_updates_attr(finder):
-            return None
-        return finder.optimal_lr.suggestion()
+            return config
+        lr = finder.optimal_lr.suggestion()
+        if lr is None or config.muon_enabled:
+            return config
+        config = config.with_adamw_lr(lr)
+        module.hparams["adamw"] = config.adamw
+        rank_zero_info(f"MuonMixin: lr_find's suggestion, lr={lr:g}, is AdamW's lr from the next fit on.")
+        return config
+
+
+def build_optimizers(module: LightningModule, routing: Routing,
+                     config: MuonConfig) -> tuple[list[Optimizer], list[dict[str, Any]]]:
+    """``[muon, adamw]`` over ``routing``'s param groups (AdamW alone where no parameter is routed to Muon), and
+    their schedulers' configs (none without ``lr_scheduler``); the routing table printed once (INFO), and a
+    model with nothing trainable refused by name."""
+    if not routing.routes:
+        raise MisconfigurationException(
+            f"{type(module).__name__} has no trainable parameter: every parameter has requires_grad=False (or "
+            "the layers are built after the optimizers). Unfreeze what should train "
+            "(`layer.requires_grad_(True)`), or build the layers in __init__ or configure_model."
+        )
+    rank_zero_info("\n" + routing.render())
+    if config.muon_enabled and not routing.muon_groups:
+        rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")
+    optimizers = [config.build_adamw(routing.adamw_groups)]
+    if routing.muon_groups:
+        optimizers.insert(0, config.build("muon", routing.muon_groups))
+    if config.lr_scheduler_factory is None:
+        return optimizers, []
+    return optimizers, config.build_schedulers(optimizers, lambda: module.trainer.estimated_stepping_batches)
 
 
 def resolve(config: MuonConfig, flags: _compat.TrainerFlags) -> FitState:
@@ -133,7 +220,7 @@ def resolve(config: MuonConfig, flags: _compat.TrainerFlags) -> FitState:
         )
     clip, algorithm = _resolve_clipping(config.gradient_clip_val, flags)
     settings = UpdateSettings(clip, algorithm, config.max_consecutive_skips)
-    return FitState(settings, own_n if own_n != 1 else trainer_n, scheduler, flags)
+    return FitState(config, settings, own_n if own_n != 1 else trainer_n, scheduler, flags)
 
 
 def _resolve_clipping(own_clip: float | None, flags: _compat.TrainerFlags) -> tuple[float | None, str]:

@@ -37,8 +37,6 @@ from lightning_muon.lightning._checks import by_hand
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
-    from lightning_muon.lightning._first_batch import FirstBatch
-
 #: The logged count of skipped updates (the monitor logs the same key in its own rows).
 SKIPPED_STEPS_KEY = "muon/skipped_steps"
 
@@ -96,12 +94,23 @@ def _positional_count(function: Callable[..., Any]) -> int:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
-def _call_with_accepted(step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Call a ``training_step`` (bound, or ``partial(function, self)``) with as many positionals as it takes:
-    ``training_step(self, batch)`` is fine where Lightning passes ``batch, batch_idx``."""
+def bind_step(step: Callable[..., Any], args: tuple, kwargs: dict,
+              compiler: Callable[[Callable[..., Any]], Any] | None = None) -> Callable[[], Any]:
+    """A ``training_step`` (bound, or ``partial(function, self)``) with its arguments bound, as many positionals as
+    it takes (``training_step(self, batch)`` is fine where Lightning passes ``batch, batch_idx``), compiled by
+    ``compiler`` where one is given (``torch.compile(model)``: the parent's step, not the update)."""
     function = step.func if isinstance(step, functools.partial) else getattr(step, "__func__", None)
     count = _positional_count(function) if function is not None else len(args)
-    return step(*args[:count], **kwargs)
+    return functools.partial(compiler(step) if compiler is not None else step, *args[:count], **kwargs)
+
+
+def loss_in(output: Any) -> torch.Tensor | None:
+    """The loss a ``training_step`` returned (a tensor, or a dict's ``"loss"``); ``None`` if it holds none."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    return None
 
 
 @contextlib.contextmanager
@@ -212,27 +221,23 @@ class UpdateLoop:
     def training_step(
         self,
         module: LightningModule,
-        step: Callable[..., Any],
-        args: tuple,
-        kwargs: dict,
+        run: Callable[[], Any],
         settings: UpdateSettings,
-        first_batch: FirstBatch | None = None,
+        run_first: Callable[[Callable[[], Any]], Any] | None = None,
     ) -> Any:
-        """Run the parent's ``training_step``, then backward and (on the last micro-batch) the update. With
-        ``first_batch``, the step is followed and its roles decided before the backward."""
+        """Run the parent's ``training_step`` (``run``: its arguments bound, see `bind_step`), then backward and
+        (on the last micro-batch) the update. ``run_first``, where given, runs ``run`` in its place and returns its
+        output, before the backward (the fit's first batch is followed through it)."""
         if self._in_training_step or not module.trainer.training:
             # A subclass's training_step calling super() (only the outer one updates), or a
             # validation_step reusing training_step (no backward, no update).
-            return _call_with_accepted(step, args, kwargs)
+            return run()
         self._in_training_step = True
         try:
-            with first_batch.trace(module, args, kwargs) if first_batch else contextlib.nullcontext():
-                output = _call_with_accepted(step, args, kwargs)
+            output = run_first(run) if run_first is not None else run()
         finally:
             self._in_training_step = False
         loss = self._loss_of(module, output)
-        if first_batch is not None and loss is not None:
-            first_batch.decide(module, loss)  # type: ignore[arg-type]  # (a MuonMixin: only it passes one)
         update_now = _compat.ends_update(module.trainer)
         if loss is not None:
             scaled = loss / module.trainer.accumulate_grad_batches

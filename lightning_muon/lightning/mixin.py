@@ -31,16 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.lightning import _checkpoint, _checks, _compat
-from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig, plain_data
-from lightning_muon.lightning._first_batch import FirstBatch, restore_roles
-from lightning_muon.lightning._fit import FitState
-from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings
-from lightning_muon.optim.muon import Muon
-from lightning_muon.routing import GraphRoles, Routing, route_parameters
+from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig
+from lightning_muon.lightning._first_batch import routing_for, saved_roles
+from lightning_muon.lightning._fit import FitState, build_optimizers
+from lightning_muon.lightning._hparams import save_hyperparameters
+from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings, bind_step
+from lightning_muon.routing import GraphRoles, Routing
 
 __all__ = ["DEFAULT_ADAMW", "DEFAULT_MUON", "MuonMixin"]
 
@@ -58,9 +57,7 @@ def _wrap_training_step(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def training_step(self: MuonMixin, *args: Any, **kwargs: Any) -> Any:
-        return self._muon_loop.training_step(
-            self, functools.partial(fn, self), args, kwargs, self._muon_settings(), self._first_batch()
-        )
+        return self._muon_step(functools.partial(fn, self), args, kwargs)
 
     training_step._muon_wrapped = True  # type: ignore[attr-defined]
     return training_step
@@ -107,7 +104,7 @@ class MuonMixin(_LightningModuleBase):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        _check_bases(cls)
+        _checks.check_bases(cls, MuonMixin)
         step = vars(cls).get("training_step")
         if step is not None and not getattr(step, "_muon_wrapped", False):
             # The subclass's own training_step becomes the one that updates (the mixin's would be bypassed).
@@ -128,15 +125,9 @@ class MuonMixin(_LightningModuleBase):
         **kwargs: Any,
     ) -> None:
         config = MuonConfig.from_arguments(
-            muon=muon,
-            adamw=adamw,
-            lr_scheduler=lr_scheduler,
-            muon_params=muon_params,
-            adamw_params=adamw_params,
-            accumulate_grad_batches=accumulate_grad_batches,
-            gradient_clip_val=gradient_clip_val,
-            max_consecutive_skips=max_consecutive_skips,
-            parent_lr=parent_lr,
+            muon=muon, adamw=adamw, lr_scheduler=lr_scheduler, muon_params=muon_params, adamw_params=adamw_params,
+            accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
+            max_consecutive_skips=max_consecutive_skips, parent_lr=parent_lr,
         )
         # Rebind the arguments to plain data before the parent's __init__ runs: a parent calling
         # save_hyperparameters() collects these frames' locals, and checkpoints must load with weights_only.
@@ -150,31 +141,8 @@ class MuonMixin(_LightningModuleBase):
         self._muon_loop = UpdateLoop()
         self._muon_fit: FitState | None = None
         #: What the first training batch showed (None until one is seen); kept in checkpoints.
-        self._muon_graph: GraphRoles | None = None
-        self._save_hyperparameters(config)
-
-    def _save_hyperparameters(self, config: MuonConfig) -> None:
-        """What the parent saved, exactly as it saved it (objects included: its checkpoints load as they would
-        without the mixin), with the mixin's own settings beside it as plain data. When the parent saved
-        nothing, this constructor's arguments, those forwarded to the parent included, where they are plain
-        data (or LightningCLI's config, when it built the model)."""
-        saved_by_parent = dict(self.hparams)
-        dropped: list[str] = []
-        if not saved_by_parent:  # the parent chose nothing (if it did, its `ignore=` choices stand)
-            self.save_hyperparameters()
-            saved_by_parent, dropped = plain_data(dict(self.hparams))
-        if dropped:
-            left_out = sorted({path.split(".")[0] for path in dropped})
-            rank_zero_warn(
-                f"MuonMixin left {left_out} out of the saved hyperparameters: the parent saves none itself, and "
-                f"they hold what is not plain data ({', '.join(sorted(dropped))}), so load_from_checkpoint needs "
-                "them passed again, as without the mixin. Call self.save_hyperparameters() in the parent to keep "
-                "them in its checkpoints."
-            )
-        # LightningCLI's config already has the mixin's settings, in its own form.
-        own = {} if _compat.cli_class_path(saved_by_parent) is not None else config.to_hparams()
-        self.hparams.clear()  # save_hyperparameters(dict) updates: start from the chosen set alone
-        self.save_hyperparameters({**saved_by_parent, **own})
+        self._muon_roles: GraphRoles | None = None
+        save_hyperparameters(self, config)
 
     # ------------------------------------------------ read-only surface (callbacks, commands)
 
@@ -193,28 +161,20 @@ class MuonMixin(_LightningModuleBase):
         """What a fit's first training batch showed (output heads, input layers, hidden matrices), or ``None``
         before one was seen; loaded from checkpoints with the weights. Set it (from
         `lightning_muon.trace_roles`) before a fit to build the optimizers with it: no batch is followed then."""
-        return self._muon_graph
+        return self._muon_roles
 
     @muon_roles.setter
     def muon_roles(self, roles: GraphRoles | None) -> None:
         if self._muon_fit is not None:
             raise RuntimeError("muon_roles is set before a fit, not during one (its optimizers hold the routing)")
-        self._muon_graph = roles
+        self._muon_roles = roles
 
     def muon_routing(self) -> Routing:
         """Where every trainable parameter goes (Muon or AdamW) and why: with ``muon=None``, all on AdamW.
 
         Until a fit's first training batch is seen, output heads and input layers come from names and
         structure; from then on, from that batch (see `lightning_muon.routing.trace_roles`)."""
-        muon_class = self._muon_config.muon_class
-        routing = route_parameters(
-            self,
-            muon_params=self._muon_config.muon_params,
-            adamw_params=self._muon_config.adamw_params,
-            muon_nd=muon_class is not None and issubclass(muon_class, Muon),
-            graph=self._muon_graph,
-        )
-        return routing if self.muon_enabled else routing.all_on_adamw("muon=None: on AdamW")
+        return routing_for(self, self._muon_config, self._muon_roles)
 
     def muon_effective_lrs(self) -> dict[str, float]:
         """The learning rate each routed parameter will start with, by name (Muon's after the shape
@@ -227,33 +187,19 @@ class MuonMixin(_LightningModuleBase):
         """``[muon, adamw]`` over the routed param groups (only AdamW when ``muon=None``), with their schedulers.
 
         A step of either inside the parent's ``training_step`` is refused before it moves a weight."""
-        routing, config = self.muon_routing(), self._optimizer_config()
-        if not routing.routes:
-            raise MisconfigurationException(
-                f"{type(self).__name__} has no trainable parameter: every parameter has requires_grad=False (or "
-                "the layers are built after the optimizers). Unfreeze what should train "
-                "(`layer.requires_grad_(True)`), or build the layers in __init__ or configure_model."
-            )
-        rank_zero_info("\n" + routing.render())
-        if self.muon_enabled and not routing.muon_groups:
-            rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")
-        optimizers = [config.build_adamw(routing.adamw_groups)]
-        if routing.muon_groups:
-            optimizers.insert(0, config.build("muon", routing.muon_groups))
+        config = self._optimizer_config()
+        optimizers, schedulers = build_optimizers(self, self.muon_routing(), config)
         self._muon_loop.guard_steps(self, optimizers)
-        if config.lr_scheduler_factory is None:
-            return optimizers
-        schedulers = config.build_schedulers(optimizers, lambda: self.trainer.estimated_stepping_batches)
         if self._muon_fit is not None:
-            self._muon_fit.configure_optimizers(schedulers)
-        return optimizers, schedulers
+            self._muon_fit.configure_optimizers(config, schedulers)
+        return (optimizers, schedulers) if config.lr_scheduler_factory is not None else optimizers
 
     # ------------------------------------------------------------------ a fit
 
     def configure_callbacks(self) -> Any:
         callbacks = super().configure_callbacks()
         if self.trainer.state.fn == "fit":  # Lightning's manual-optimization checks come next
-            self._muon_fit = FitState.configure_callbacks(self, self._muon_config)
+            self._muon_fit = FitState.start(self, self._muon_config, functools.partial(self._load_roles, resuming=True))
         return callbacks
 
     def setup(self, stage: str) -> None:
@@ -263,7 +209,7 @@ class MuonMixin(_LightningModuleBase):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        own_classes = _own_classes(type(self))
+        own_classes = _checks.own_classes(type(self), MuonMixin)
         _checks.check_fit(self, own_classes)
         if self._muon_fit is not None:
             self._muon_fit.on_fit_start(self, own_classes, self._muon_config.lrs_given)
@@ -283,12 +229,9 @@ class MuonMixin(_LightningModuleBase):
 
     def teardown(self, stage: str) -> None:
         if stage == "fit" and self._muon_fit is not None:
-            lr = self._muon_fit.teardown(self.trainer)  # gives the Trainer its flags back
+            # The Trainer's flags back; with muon=None, lr_find's suggestion becomes AdamW's lr.
+            self._muon_config = self._muon_fit.teardown(self, self._muon_config)
             self._muon_fit = None
-            if lr is not None and not self.muon_enabled:
-                self._muon_config = self._muon_config.with_adamw_lr(lr)
-                self.hparams["adamw"] = self._muon_config.adamw
-                rank_zero_info(f"MuonMixin: lr_find's suggestion, lr={lr:g}, is AdamW's lr from the next fit on.")
         super().teardown(stage)
 
     def _optimizer_config(self) -> MuonConfig:
@@ -296,20 +239,24 @@ class MuonMixin(_LightningModuleBase):
         config = self._muon_config
         if not config.parent_lr:
             return config
-        return config.with_lr(*_checks.parent_lr(self, _own_classes(type(self))))
+        return config.with_lr(*_checks.parent_lr(self, _checks.own_classes(type(self), MuonMixin)))
 
-    def _first_batch(self) -> FirstBatch | None:
-        """A `FirstBatch` to follow this batch, while a fit with Muon has seen none (else ``None``)."""
-        if self._muon_fit is None or self._muon_graph is not None or not self.muon_enabled:
-            return None
-        return FirstBatch()
+    def _muon_step(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The parent's ``step`` under the update loop; the first batch of a fit with Muon is followed first."""
+        fit, config = self._muon_fit, self._muon_config
+        run = bind_step(step, args, kwargs, fit.compiler if fit is not None else None)
+        # The fit's settings (its Trainer flags included), else the mixin's own arguments.
+        settings = fit.settings if fit is not None else UpdateSettings(config.gradient_clip_val, "norm",
+                                                                        config.max_consecutive_skips)
+        if fit is None or self._muon_roles is not None or not self.muon_enabled:
+            return self._muon_loop.training_step(self, run, settings)
+        batch = args[0] if args else kwargs.get("batch")
 
-    def _muon_settings(self) -> UpdateSettings:
-        """What each update uses: the fit's (its Trainer flags included), else the mixin's own arguments."""
-        if self._muon_fit is not None:
-            return self._muon_fit.settings
-        config = self._muon_config
-        return UpdateSettings(config.gradient_clip_val, "norm", config.max_consecutive_skips)
+        def run_first(run: Callable[[], Any]) -> Any:  # uncompiled: the trace follows eager code
+            output, self._muon_roles = fit.follow_first_batch(self, batch, bind_step(step, args, kwargs))
+            return output
+
+        return self._muon_loop.training_step(self, run, settings, run_first)
 
     # ------------------------------------------ refusals of optimizing by hand
 
@@ -332,68 +279,36 @@ class MuonMixin(_LightningModuleBase):
         super().on_before_backward(loss)
 
     def toggle_optimizer(self, optimizer: Any) -> None:
-        raise MisconfigurationException(
-            "toggle_optimizer switches off the gradients of the other optimizer's parameters, but MuonMixin "
-            "steps Muon and AdamW together on one loss. Remove the toggle_optimizer/untoggle_optimizer calls."
-        )
-
-    # -------------------------------------------------------------------- step
+        raise MisconfigurationException(_checks.TOGGLE_REFUSED)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the parent's ``training_step``, then backward and (on the last micro-batch) the update."""
-        return self._muon_loop.training_step(
-            self, super().training_step, args, kwargs, self._muon_settings(), self._first_batch()
-        )
+        return self._muon_step(super().training_step, args, kwargs)
 
     # ------------------------------------------------------------- checkpoints
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        routing = _checkpoint.optimizer_names(self.muon_routing())
-        checkpoint[_checkpoint.CHECKPOINT_KEY] = {"routing": routing, **self._muon_loop.state_dict()}
-        if self._muon_graph is not None:
-            checkpoint[_checkpoint.CHECKPOINT_KEY]["graph"] = self._muon_graph.to_dict()
+        record = _checkpoint.record(self.muon_routing(), self._muon_roles, self._muon_loop.state_dict())
+        checkpoint[_checkpoint.CHECKPOINT_KEY] = record
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        saved = checkpoint.get(_checkpoint.CHECKPOINT_KEY)
         trainer = _compat.attached_trainer(self)  # None for load_from_checkpoint: weights only, no optimizers
         resuming = trainer is not None and trainer.state.fn == "fit"
+        saved = _checkpoint.saved_record(checkpoint, resuming)
         if saved is None:
-            if resuming:
-                _checkpoint.refuse_foreign_optimizer_states(checkpoint)
             return
-        restore_roles(self, saved, resuming)
+        self._load_roles(saved, resuming)
         if resuming:  # optimizer states follow: they must meet the parameters they were saved for
-            current = _checkpoint.optimizer_names(self.muon_routing())
-            _checkpoint.check_same_model(saved, current)
-            _checkpoint.check_routing(saved, current)
+            _checkpoint.check_resume(saved, self.muon_routing())
         self._muon_loop.load_state_dict(saved)
 
-
-def _own_classes(cls: type) -> list[type]:
-    """The model's own classes, most derived first: its MRO without `MuonMixin` and Lightning's classes."""
-    return [k for k in cls.__mro__ if k is not MuonMixin and not _compat.is_lightning_module_base(k)]
-
-
-def _check_bases(cls: type) -> None:
-    """At class definition: the mixin must come before every base that defines ``training_step`` or
-    ``configure_optimizers``, and the class itself must not define ``configure_optimizers``."""
-    mro = cls.__mro__
-    for klass in mro[1 : mro.index(MuonMixin)]:
-        if issubclass(klass, MuonMixin):
-            continue
-        overrides = [hook for hook in ("training_step", "configure_optimizers") if hook in vars(klass)]
-        if overrides:
-            bases = [b.__name__ for b in cls.__bases__ if not issubclass(b, MuonMixin)]
-            raise TypeError(
-                f"MuonMixin must come first in the bases of {cls.__name__}: {klass.__name__} defines "
-                f"{' and '.join(overrides)}, which would replace the mixin's. Write:\n"
-                f"    class {cls.__name__}({', '.join(['MuonMixin', *bases])}):"
-            )
-    if "configure_optimizers" in vars(cls):
-        raise TypeError(
-            f"{cls.__name__} defines configure_optimizers, which replaces MuonMixin's pair of optimizers. "
-            "Remove it and configure the optimizers with the mixin's arguments "
-            "(muon=..., adamw=..., lr_scheduler=...)."
-        )
+    def _load_roles(self, saved: dict[str, Any], resuming: bool) -> None:
+        """Take the roles a checkpoint's record trained with; a fit's optimizers, where built already (FSDP2
+        restores after setup) and still without state, then hold the routing they give."""
+        roles = saved_roles(saved, resuming)
+        if roles is not None:
+            self._muon_roles = roles
+        if resuming and self._muon_fit is not None:
+            self._muon_fit.hold(self.trainer, self.muon_routing())

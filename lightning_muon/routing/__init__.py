@@ -35,11 +35,11 @@ from torch.nn.parameter import is_lazy
 
 from lightning_muon.routing import _roles
 from lightning_muon.routing._roles import find_output_heads
-from lightning_muon.routing._trace import GraphRoles, trace_roles, traced
+from lightning_muon.routing._trace import GraphRoles, trace_roles, trace_step
 
 __all__ = [
     "ADAMW", "MUON", "GraphRoles", "Route", "Routing", "find_output_head", "find_output_heads", "route_parameters",
-    "trace_roles", "traced",
+    "trace_roles", "trace_step",
 ]
 
 MUON = "Muon"

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["MATRIX_OPS", "GraphRoles", "RoleTrace", "trace_roles"]
+__all__ = ["MATRIX_OPS", "GraphRoles", "RoleTrace", "trace_roles", "trace_step"]
 
 #: The recurrent layers' calls: all their matrices in one call.
 _RECURRENT = frozenset(
@@ -265,18 +265,45 @@ class RoleTrace(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def traced(module: nn.Module, batch: Any) -> Iterator[RoleTrace]:
-    """Follow the forward run inside this block (``with traced(model, batch) as trace: loss = ...``), then ask
-    ``trace.roles(loss)``."""
-    trace = RoleTrace(module=module, batch=batch)
-    # Compiled modules run eagerly while traced: compiling under the trace would recompile them for it, up to
-    # dynamo's limit, after which they would stay eager for the rest of training.
-    with torch.compiler.set_stance("force_eager"), trace:
+def _tracing(module: nn.Module, batch: Any) -> Iterator[RoleTrace | str]:
+    """Follow the forward run inside this block; or, where it cannot be followed, yield why (inside a compiled
+    region, a ``TorchFunctionMode`` and compiler stances are not for user code). Entering it never raises."""
+    if torch.compiler.is_compiling():
+        yield "the step ran inside a compiled region, where it cannot be followed"
+        return
+    stance = contextlib.ExitStack()
+    try:
+        trace = RoleTrace(module=module, batch=batch)
+        # Compiled modules run eagerly while traced: compiling under the trace would recompile them for it, up to
+        # dynamo's limit, after which they would stay eager for the rest of training.
+        stance.enter_context(torch.compiler.set_stance("force_eager"))
+    except Exception as error:  # the trace must never break the step it follows
+        stance.close()
+        yield f"the trace could not start: {error!r}"
+        return
+    with stance, trace:
         yield trace
 
 
-def trace_roles(module: nn.Module, batch: Any, loss_of: Any) -> GraphRoles:
-    """The roles of ``module``'s matrices from one forward: ``loss_of(batch)`` computes the loss (a tensor)."""
-    with traced(module, batch) as trace:
-        loss = loss_of(batch)
-    return trace.roles(loss if isinstance(loss, Tensor) else None)
+def trace_step(module: nn.Module, batch: Any, step: Callable[[], Any],
+               loss_of: Callable[[Any], Tensor | None]) -> tuple[Any, GraphRoles]:
+    """Run ``step()`` once, following its forward, and return its output with the roles it showed (``loss_of``
+    takes the loss out of the output). Errors of ``step`` itself are the caller's; the trace adds none: where it
+    cannot follow the step, the roles hold no verdict and their ``note`` says why."""
+    with _tracing(module, batch) as trace:
+        output = step()
+    if isinstance(trace, str):
+        return output, GraphRoles(note=trace)
+    try:
+        return output, trace.roles(loss_of(output))
+    except Exception as error:
+        return output, GraphRoles(note=f"the trace failed on the step's output: {error!r}")
+
+
+def trace_roles(module: nn.Module, batch: Any, loss_of: Callable[[Any], Any]) -> GraphRoles:
+    """The roles of ``module``'s matrices from one forward: ``loss_of(batch)`` computes the loss (a tensor).
+
+    A pure step: the forward runs once, unchanged, and nothing of ``module`` is modified. Where the forward cannot
+    be followed, the roles hold no verdict (their ``note`` says why) and routing keeps its structural rules."""
+    _, roles = trace_step(module, batch, lambda: loss_of(batch), lambda out: out if isinstance(out, Tensor) else None)
+    return roles

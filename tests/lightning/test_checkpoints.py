@@ -166,3 +166,27 @@ def test_an_unreadable_checkpoint_file_is_named_with_the_fix(tmp_path, keep):
     resumed = make_trainer(tmp_path, max_steps=4)
     resumed.fit(MuonRegression(), ckpt_path=whole)
     assert resumed.global_step == 4
+
+
+def test_a_resume_into_a_model_built_differently_names_every_added_removed_and_reshaped_parameter(
+        tmp_path, two_epoch_run):
+    class Grown(MuonRegression):
+        """The head ``net.4`` became 24 -> 24 and a new head follows; the first layer lost its bias."""
+
+        def __init__(self) -> None:
+            super().__init__(lr_scheduler=SCHEDULE)
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                self.net[0] = torch.nn.Linear(8, 16, bias=False)
+                self.net[4] = torch.nn.Linear(24, 24)
+                self.net.append(torch.nn.Linear(24, 1))
+
+    with pytest.raises(MisconfigurationException, match="other trainable parameters") as error:
+        make_trainer(tmp_path, max_epochs=2).fit(Grown(), ckpt_path=two_epoch_run["ckpt"])
+    lines = str(error.value).splitlines()
+    assert "  net.0.bias: in the checkpoint, not in this model" in lines
+    assert "  net.5.weight: in this model, not in the checkpoint" in lines
+    assert "  net.5.bias: in this model, not in the checkpoint" in lines
+    assert "  net.4.weight: 1x24 in the checkpoint, 24x24 in this model" in lines
+    assert "  net.4.bias: 1 in the checkpoint, 24 in this model" in lines
+    assert not [line for line in lines if line.startswith("  net.2")]  # only the differences

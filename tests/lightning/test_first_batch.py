@@ -94,7 +94,7 @@ def test_a_corrected_fit_equals_one_built_with_that_routing_from_the_start(tmp_p
     assert {k for k in first if k.startswith("lr-") and first[k]} == keys
 
     reference = MuonParallelHeads(lr_scheduler=SCHEDULE)
-    reference._muon_graph = model.muon_roles  # the roles known before configure_optimizers (no public setter)
+    reference.muon_roles = model.muon_roles  # the roles known before configure_optimizers
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
         make_trainer(tmp_path / "b", max_steps=6, csv_dir=tmp_path / "b", callbacks=[MuonMonitor()]).fit(reference)
@@ -119,7 +119,7 @@ def test_the_roles_live_in_checkpoints_and_a_resume_keeps_them(tmp_path, caplog)
     model = MuonParallelHeads()
     straight = two_epochs(tmp_path / "straight", model)
     checkpoint = torch.load(tmp_path / "straight" / "epoch=0.ckpt", weights_only=True)
-    assert checkpoint["lightning_muon"]["graph"]["heads"] == ["heads.0.weight", "heads.1.weight"]
+    assert checkpoint["lightning_muon"]["roles"]["heads"] == ["heads.0.weight", "heads.1.weight"]
 
     loaded = MuonParallelHeads.load_from_checkpoint(tmp_path / "straight" / "epoch=0.ckpt", weights_only=True)
     assert loaded.muon_routing().routes == model.muon_routing().routes
@@ -135,11 +135,11 @@ def test_the_roles_live_in_checkpoints_and_a_resume_keeps_them(tmp_path, caplog)
 
 def test_a_checkpoint_from_before_the_roles_resumes_with_the_routing_it_was_saved_with(tmp_path):
     # The user's patterns decide every role, so the structural routing is the trained one, as in checkpoints
-    # saved before the first batch was followed (no "graph" entry).
+    # saved before the first batch was followed (no "roles" entry).
     patterns = {"adamw_params": ["scale.*", "heads.*"]}
     straight = two_epochs(tmp_path / "straight", MuonParallelHeads(**patterns))
     checkpoint = torch.load(tmp_path / "straight" / "epoch=0.ckpt", weights_only=True)
-    del checkpoint["lightning_muon"]["graph"]
+    del checkpoint["lightning_muon"]["roles"]
     torch.save(checkpoint, tmp_path / "old.ckpt")
     final = two_epochs(tmp_path / "resumed", MuonParallelHeads(**patterns), ckpt_path=tmp_path / "old.ckpt")
     assert same(final, straight)
@@ -205,3 +205,76 @@ def test_roles_are_set_before_a_fit_not_during_one(tmp_path):
 
     with pytest.raises(RuntimeError, match="muon_roles is set before a fit, not during one"):
         make_trainer(tmp_path, max_steps=1, callbacks=[SetsRoles()]).fit(MuonParallelHeads())
+
+
+# ------------------------------------------------------------------ the trace cannot break a fit
+
+
+def test_a_compiled_model_trains_bit_for_bit_like_eager_with_the_same_roles(tmp_path, caplog):
+    """``trainer.fit(torch.compile(model))``: the parent's step is compiled, the update and the first batch's
+    trace are not (the trace used to die in the compiled region: "attempted to set_stance")."""
+    torch._dynamo.reset()
+    eager, compiled = MuonParallelHeads(lr_scheduler=SCHEDULE), MuonParallelHeads(lr_scheduler=SCHEDULE)
+    make_trainer(tmp_path / "eager", max_steps=4).fit(eager)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        make_trainer(tmp_path / "compiled", max_steps=4).fit(torch.compile(compiled, backend="eager"))
+    assert [r.message for r in caplog.records if "first training batch moved 4 parameter(s)" in r.message]
+    assert compiled.muon_roles == eager.muon_roles and groups(compiled) == groups(eager) == GROUPS
+    assert same(snapshot(compiled), snapshot(eager))
+
+
+def test_a_loss_the_trace_cannot_follow_trains_on_the_structural_routing_saying_why_once(tmp_path, caplog):
+    from lightning_muon.routing import GraphRoles, _trace
+
+    def broken(*args, **kwargs):
+        raise KeyError("bookkeeping")
+
+    model = MuonParallelHeads()
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(
+            logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        patch.setattr(_trace.RoleTrace, "_follow", broken)
+        make_trainer(tmp_path / "a", max_steps=4).fit(model)
+    said = [r.message for r in caplog.records if "first training batch" in r.message]
+    assert len(said) == 1 and "could not be followed (the trace failed at" in said[0]
+    assert "stay as names and structure decided them" in said[0]
+    assert model.muon_roles is not None and model.muon_roles.heads is None  # decided: not followed again
+    reference = MuonParallelHeads()
+    reference.muon_roles = GraphRoles()  # the structural routing from the start
+    make_trainer(tmp_path / "b", max_steps=4).fit(reference)
+    assert groups(model) == groups(reference) != GROUPS
+    assert same(snapshot(model), snapshot(reference))
+
+
+def test_the_trace_follows_activation_checkpointing_and_autocast():
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_muon import trace_roles
+
+    model = ParallelHeads()
+    model.log = lambda *args, **kwargs: None  # no Trainer to log to
+    batch = next(iter(model.train_dataloader()))
+    plain = trace_roles(model, batch, lambda b: model.training_step(b, 0))
+
+    class Checkpointed(ParallelHeads):
+        def training_step(self, batch, batch_idx):
+            return checkpoint(super().training_step, batch, batch_idx, use_reentrant=False)
+
+    checkpointed = Checkpointed()
+    checkpointed.log = model.log
+    assert trace_roles(checkpointed, batch, lambda b: checkpointed.training_step(b, 0)) == plain
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert trace_roles(model, batch, lambda b: model.training_step(b, 0)) == plain
+    assert plain.heads == {"heads.0.weight", "heads.1.weight"}
+
+
+def test_a_checkpoint_naming_the_roles_graph_resumes_with_them(tmp_path):
+    """Records written before the key was ``"roles"`` say ``"graph"``."""
+    straight = two_epochs(tmp_path / "straight", MuonParallelHeads())
+    checkpoint = torch.load(tmp_path / "straight" / "epoch=0.ckpt", weights_only=True)
+    checkpoint["lightning_muon"]["graph"] = checkpoint["lightning_muon"].pop("roles")
+    del checkpoint["lightning_muon"]["shapes"]  # nor did they record shapes
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    resumed = MuonParallelHeads()
+    final = two_epochs(tmp_path / "resumed", resumed, ckpt_path=tmp_path / "old.ckpt")
+    assert groups(resumed) == GROUPS
+    assert same(final, straight)

@@ -146,12 +146,12 @@ def test_subclass_defining_configure_optimizers_fails_at_class_definition():
 
 def test_the_mixin_adds_four_prefixed_attributes_to_the_module_and_no_more(tmp_path):
     """The user's module keeps its own namespace: the mixin's state is `_muon_config`, `_muon_loop`, what the
-    first batch showed (`_muon_graph`) and the fit's `_muon_fit`, set only during a fit (besides what Lightning's
+    first batch showed (`_muon_roles`) and the fit's `_muon_fit`, set only during a fit (besides what Lightning's
     own save_hyperparameters writes, which the mixin calls)."""
     # The private names are what this test is about: the module's namespace, not the mixin's behaviour.
     plain, model = DeepBoring(), MuonBoring()
     plain.save_hyperparameters({"lr": 0.1})
-    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_graph", "_muon_fit"}
+    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_roles", "_muon_fit"}
     assert model._muon_fit is None
 
     class Spy(L.Callback):
@@ -161,6 +161,6 @@ def test_the_mixin_adds_four_prefixed_attributes_to_the_module_and_no_more(tmp_p
     fits: list = []
     make_trainer(tmp_path, max_steps=3, callbacks=[Spy()]).fit(model)
     make_trainer(tmp_path / "plain", max_steps=3).fit(plain)
-    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_graph", "_muon_fit"}
+    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_roles", "_muon_fit"}
     assert len(fits) == 3 and fits[0] is not None and all(f is fits[0] for f in fits)  # one state for the fit
     assert model._muon_fit is None  # dropped at teardown
