@@ -9,12 +9,13 @@ While the batch's forward runs, a ``TorchFunctionMode`` sees every torch call an
 - **carried matrices**: the learnable matrices whose outputs reach a tensor through no other learnable matrix.
 
 A call is a *matrix op* when it applies a learnable matrix as a linear map (`MATRIX_OPS`: linear, matmul, conv,
-embedding, the recurrent layers, attention's in-projection); the matrix is a trainable parameter of two or more
-dimensions, or a tensor computed from parameters alone (``W.t()``, a weight-normalised ``W``, ``W * mask``). At a
-matrix op, the matrices it applies are *input layers* when another of its inputs is from the batch; its output
-carries just those matrices and is not from the batch. Every other call passes both on (its outputs are from the
-batch if an input is, and carry the union of its inputs' matrices). The *output heads* are the matrices the loss
-carries: all of them, parallel heads included.
+embedding, the recurrent layers, attention's in-projection); the matrix is a parameter of two or more dimensions
+(trainable or frozen: a frozen embedding, backbone or base model is a layer like any other, and frozen parameters
+are routed nowhere), or a tensor computed from parameters alone (``W.t()``, a weight-normalised ``W``,
+``W * mask``). At a matrix op, the matrices it applies are *input layers* when another of its inputs is from the
+batch; its output carries just those matrices and is not from the batch. Every other call passes both on (its
+outputs are from the batch if an input is, and carry the union of its inputs' matrices). The *output heads* are
+the matrices the loss carries: all of them, parallel heads included.
 
 The trace follows the batch itself, not the autograd graph: the batch does not require gradients, so it is not in
 that graph, and the constants that are (RoPE tables, masks) would read as data there. The trace is observation
@@ -177,11 +178,13 @@ class RoleTrace(TorchFunctionMode):
             self._from_batch[t] = True
 
     def _know_parameters(self) -> None:
-        """Know every parameter the module holds now by its name. FSDP2 swaps the registered (sharded) parameters
-        for unsharded ones while a module runs: a parameter first met in a call is looked up again then."""
+        """Know every parameter the module holds now by its name, frozen ones too: a frozen embedding, backbone or
+        base model is a layer like any other, so a head or input layer is found through it, never because of it.
+        FSDP2 swaps the registered (sharded) parameters for unsharded ones while a module runs: a parameter first
+        met in a call is looked up again then."""
         for prefix, mod in self.module.named_modules(remove_duplicate=False):
             for name, p in mod.named_parameters(recurse=False):
-                if p.requires_grad and p not in self._param_names:
+                if p not in self._param_names:
                     self._param_names[p] = f"{prefix}.{name}" if prefix else name
                     self._weights[p] = frozenset({self._param_names[p]}) if p.ndim >= 2 else frozenset()
 
@@ -199,7 +202,8 @@ class RoleTrace(TorchFunctionMode):
         inputs = list(_tensors((args, kwargs)))
         if not inputs:
             return
-        new = [t for t in inputs if t.requires_grad and t.is_leaf and t not in self._param_names]
+        new = [t for t in inputs if t.is_leaf and (t.requires_grad or isinstance(t, nn.Parameter))
+               and t not in self._param_names]
         if any(t not in self._strangers for t in new):
             self._know_parameters()
             for t in new:

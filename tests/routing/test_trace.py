@@ -292,3 +292,49 @@ def test_litgpt_agrees():
         model, batch, lambda b: F.cross_entropy(model(b).flatten(0, 1), b.flatten()))
     assert traced == structural
     assert found.heads == {"lm_head.weight"}
+
+
+# ------------------------------------------------------------------ frozen parts are structure, not absence
+
+
+def trainable_routes(model, found):
+    return {r.name: (r.optimizer, r.group) for r in route_parameters(model, graph=found).routes}
+
+
+def test_a_frozen_tied_embedding_keeps_every_block_matrix_on_muon():
+    """GPT-2 with its tied embedding (so its head) frozen: the loss is followed through the frozen head, not past
+    it, so no block's projection becomes an "output head" (they did, when frozen matrices were not layers)."""
+    model = gpt2()
+    model.train()
+    structural = trainable_routes(model, None)
+    model.transformer.wte.weight.requires_grad_(False)
+    found = roles(model, TOKENS, lambda b: lm_loss(model, b))
+    assert found.heads == {"transformer.wte.weight"} and found.note == ""  # the tied head, by its first name
+    routes = trainable_routes(model, found)
+    matrices = [n for n in routes if n.startswith("transformer.h.") and n.endswith(("c_attn.weight", "c_proj.weight",
+                                                                                   "c_fc.weight"))]
+    assert len(matrices) == 4 and all(routes[n] == (MUON, "hidden") for n in matrices)
+    assert routes == {n: route for n, route in structural.items() if n != "transformer.wte.weight"}
+
+
+def test_lora_adapters_behind_a_frozen_base_are_neither_heads_nor_input_layers():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(llama(False), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.train()
+    found = roles(model, TOKENS, lambda b: lm_loss(model, b))
+    routes = trainable_routes(model, found)
+    assert len(routes) == 4 and all("lora_" in n for n in routes)  # one layer: q and v, A and B
+    assert set(routes.values()) == {(MUON, "hidden")}
+    assert found.heads == {"base_model.model.lm_head.weight"}
+    assert found.inputs == {"base_model.model.model.embed_tokens.weight"}
+
+
+def test_a_frozen_backbone_with_a_trainable_head_keeps_its_structural_routing():
+    model = seeded(Stem13)
+    batch = torch.randn(2, 13, 8, 8)
+    structural = trainable_routes(model, None)
+    for p in [*model.stem.parameters(), *model.convs.parameters()]:
+        p.requires_grad_(False)
+    found = roles(model, batch, lambda b: model(b).square().mean())
+    assert found.heads == {"fc.weight"} and found.inputs == {"stem.weight"}
+    assert trainable_routes(model, found) == {n: structural[n] for n in ("fc.weight", "fc.bias")}
