@@ -15,6 +15,7 @@ optimizers before its optimizer states load into them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,10 +100,10 @@ def _where(layout: list[list[tuple[str, list[str]]]]) -> dict[str, tuple[str, st
     return {n: (o, g) for o, groups in zip((MUON, ADAMW), layout, strict=True) for g, names in groups for n in names}
 
 
-def correct_optimizers(trainer: pl.Trainer, routing: Routing, config: MuonConfig) -> None:
-    """Give the fit's optimizers (which hold no state yet) the param groups of ``routing``, built as ``config``
-    builds them, in place, and build their schedulers again for the new groups. The optimizer objects stay the
-    same (callbacks may hold them)."""
+def correct_optimizers(trainer: pl.Trainer, routing: Routing, config: MuonConfig, algorithms: list[str]) -> None:
+    """Give the fit's optimizers (which hold no state yet; ``algorithms`` says which each is) the param groups of
+    ``routing``, built as ``config`` builds them, in place, and build their schedulers again for the new groups.
+    The optimizer objects stay the same (callbacks may hold them); one left without parameters steps nothing."""
     optimizers = list(trainer.optimizers)
     if any(o.state for o in optimizers):
         raise RuntimeError("lightning_muon: the routing can only be corrected before the optimizers' first step")
@@ -112,22 +113,18 @@ def correct_optimizers(trainer: pl.Trainer, routing: Routing, config: MuonConfig
             for n, p in zip(g["param_names"], g["params"], strict=True)}
     if set(held) != {r.name for r in routing.routes}:
         raise RuntimeError("lightning_muon: the optimizers hold other parameters than the routing names")
-
-    def holding(optimizer: str) -> list[dict]:
-        return [{**g, "params": [(n, held[n]) for n, _ in g["params"]]} for g in routing.groups(optimizer)]
-
-    groups = [config.build("muon", holding(MUON)).param_groups if routing.muon_groups else []]
-    groups.append(config.build_adamw(holding(ADAMW)).param_groups)
-    if len(optimizers) == 1:  # no Muon was built: the structural rules routed no parameter to it
-        if groups[0]:
+    groups = {a: [{**g, "params": [(n, held[n]) for n, _ in g["params"]]} for g in routing.groups(a)]
+              for a in (MUON, ADAMW)}
+    for algorithm in (MUON, ADAMW):
+        if groups[algorithm] and algorithm not in algorithms:
             raise MisconfigurationException(
-                "The first training batch routed parameters to Muon where the structural rules had routed none, "
-                "so the fit has no Muon optimizer to give them. Name them with MuonMixin(muon_params=[...]) (or "
-                f"use muon=None for AdamW alone): {routing.names(MUON)}"
+                f"The first training batch routed parameters to {algorithm} where the structural rules had routed "
+                f"none, so the fit has no {algorithm} optimizer to give them: {routing.names(algorithm)}. Decide "
+                "them with MuonMixin(muon_params=[...]) or adamw_params=[...] (or use muon=None for AdamW alone)."
             )
-        groups = groups[1:]
-    for optimizer, new_groups in zip(optimizers, groups, strict=True):
-        optimizer.param_groups[:] = new_groups  # Muon with no group (every matrix left it) steps nothing
+    for optimizer, algorithm in zip(optimizers, algorithms, strict=True):
+        build = config.build_adamw if algorithm == ADAMW else functools.partial(config.build, "muon")
+        optimizer.param_groups[:] = build(groups[algorithm]).param_groups if groups[algorithm] else []
     if config.lr_scheduler_factory is None:
         return
     rebuilt = config.build_schedulers(optimizers, lambda: trainer.estimated_stepping_batches)

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_muon.lightning import _checkpoint, _checks, _compat, _first_batch
 from lightning_muon.lightning._config import MuonConfig
 from lightning_muon.lightning._update_loop import UpdateSettings, loss_in
-from lightning_muon.routing import GraphRoles, Routing, trace_step
+from lightning_muon.routing import ADAMW, MUON, GraphRoles, Routing, trace_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -64,8 +64,10 @@ class FitState:
         self.trainer_flags = trainer_flags
         #: The monitor-driven schedulers: id -> (metric, strict), which manual optimization would drop.
         self.monitors: dict[int, tuple[str, bool]] = {}
-        #: What the optimizers were built from (``parent_lr=True``: at the parent's lr), from configure_optimizers.
+        #: What the optimizers were built from (``parent_lr=True``: at the parent's lr), from configure_optimizers,
+        #: and which algorithm each optimizer is, in order (an optimizer without parameters is not built).
         self.optimizer_config = config
+        self.algorithms: list[str] = []
         #: ``torch.compile(model)``'s compiler, for the parent's ``training_step`` (``None``: not compiled).
         self.compiler: Callable[[Callable[..., Any]], Any] | None = None
         #: The strategy whose ``load_checkpoint`` the fit wraps, and its own before (``None``: its class's).
@@ -106,10 +108,13 @@ class FitState:
         ``estimated_stepping_batches``): give it the fit's number."""
         _compat.set_accumulate_grad_batches(trainer, self.accumulation_at(trainer.current_epoch))
 
-    def configure_optimizers(self, optimizer_config: MuonConfig, schedulers: list[dict[str, Any]]) -> None:
-        """Keep what the optimizers were built from, and the monitor of each monitor-driven scheduler config
-        (manual optimization drops it) for `on_fit_start`, taking it out of the config Lightning validates."""
+    def configure_optimizers(self, optimizer_config: MuonConfig, algorithms: list[str],
+                             schedulers: list[dict[str, Any]]) -> None:
+        """Keep what the optimizers were built from and which they are (``algorithms``: `MUON`, `ADAMW` or both,
+        in order), and the monitor of each monitor-driven scheduler config (manual optimization drops it) for
+        `on_fit_start`, taking it out of the config Lightning validates."""
         self.optimizer_config = optimizer_config
+        self.algorithms = algorithms
         self.monitors = {
             id(c["scheduler"]): (c.pop("monitor"), c.pop("strict", True)) for c in schedulers if "monitor" in c
         }
@@ -149,7 +154,7 @@ class FitState:
         """Make the fit's optimizers, where they are built and hold no state yet, hold ``routing``'s groups."""
         optimizers = trainer.optimizers
         if optimizers and not any(o.state for o in optimizers) and not _first_batch.holds(optimizers, routing):
-            _first_batch.correct_optimizers(trainer, routing, self.optimizer_config)
+            _first_batch.correct_optimizers(trainer, routing, self.optimizer_config, self.algorithms)
 
     def teardown(self, module: LightningModule, config: MuonConfig) -> MuonConfig:
         """Give the Trainer its flags and the strategy its ``load_checkpoint`` back; return ``config`` for the
@@ -177,10 +182,11 @@ class FitState:
 
 
 def build_optimizers(module: LightningModule, routing: Routing,
-                     config: MuonConfig) -> tuple[list[Optimizer], list[dict[str, Any]]]:
-    """``[muon, adamw]`` over ``routing``'s param groups (AdamW alone where no parameter is routed to Muon), and
-    their schedulers' configs (none without ``lr_scheduler``); the routing table printed once (INFO), and a
-    model with nothing trainable refused by name."""
+                     config: MuonConfig) -> tuple[dict[str, Optimizer], list[dict[str, Any]]]:
+    """The optimizers over ``routing``'s param groups, by algorithm (``{MUON: ..., ADAMW: ...}``, in that order),
+    each only where it has parameters (with ``muon=None`` and no parameter at all, AdamW); and their schedulers'
+    configs (none without ``lr_scheduler``). The routing table is printed once (INFO), an optimizer left without
+    parameters said once, and a model with nothing trainable refused by name."""
     if not routing.routes:
         raise MisconfigurationException(
             f"{type(module).__name__} has no trainable parameter: every parameter has requires_grad=False (or "
@@ -188,14 +194,18 @@ def build_optimizers(module: LightningModule, routing: Routing,
             "(`layer.requires_grad_(True)`), or build the layers in __init__ or configure_model."
         )
     rank_zero_info("\n" + routing.render())
-    if config.muon_enabled and not routing.muon_groups:
-        rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")
-    optimizers = [config.build_adamw(routing.adamw_groups)]
+    built: dict[str, Optimizer] = {}
     if routing.muon_groups:
-        optimizers.insert(0, config.build("muon", routing.muon_groups))
+        built[MUON] = config.build("muon", routing.muon_groups)
+    elif config.muon_enabled:
+        rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")
+    if routing.adamw_groups:
+        built[ADAMW] = config.build_adamw(routing.adamw_groups)
+    else:  # every trainable parameter is a hidden matrix (LoRA adapters, a frozen model's blocks)
+        rank_zero_info("MuonMixin: no parameter was routed to AdamW; Muon alone trains this model.")
     if config.lr_scheduler_factory is None:
-        return optimizers, []
-    return optimizers, config.build_schedulers(optimizers, lambda: module.trainer.estimated_stepping_batches)
+        return built, []
+    return built, config.build_schedulers(list(built.values()), lambda: module.trainer.estimated_stepping_batches)
 
 
 def resolve(config: MuonConfig, flags: _compat.TrainerFlags) -> FitState:

@@ -188,10 +188,11 @@ class MuonMixin(_LightningModuleBase):
 
         A step of either inside the parent's ``training_step`` is refused before it moves a weight."""
         config = self._optimizer_config()
-        optimizers, schedulers = build_optimizers(self, self.muon_routing(), config)
+        built, schedulers = build_optimizers(self, self.muon_routing(), config)
+        optimizers = list(built.values())
         self._muon_loop.guard_steps(self, optimizers)
         if self._muon_fit is not None:
-            self._muon_fit.configure_optimizers(config, schedulers)
+            self._muon_fit.configure_optimizers(config, list(built), schedulers)
         return (optimizers, schedulers) if config.lr_scheduler_factory is not None else optimizers
 
     # ------------------------------------------------------------------ a fit
