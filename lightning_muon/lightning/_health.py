@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_muon.optim._norms import is_finite, total_norm
+
 #: A GradScaler scale below this means the loss is scaled DOWN: the gradients are not overflowing now and
 #: then, every update is being skipped (from the default 2**16 it takes 17 overflows in a row).
 SCALE_FLOOR = 1.0
@@ -27,14 +29,14 @@ def check_weights_finite(optimizers: list[Optimizer], module: nn.Module) -> None
     One fused norm over all parameters (and one device sync); per-parameter checks only when it is bad.
     """
     params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-    if not params or bool(torch.isfinite(torch.nn.utils.get_total_norm(params))):
+    if not params or bool(torch.isfinite(total_norm(params))):
         return
     names = {id(p): n for n, p in module.named_parameters()}
     bad = []
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if not bool(torch.isfinite(p).all()):
+                if not is_finite(p):
                     bad.append(f"{names.get(id(p), '?')} ({type(optimizer).__name__}, lr {float(group['lr']):g})")
     if not bad:  # every element finite, the norm overflowed its dtype
         return

@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_muon.lightning import _compat, _health
 from lightning_muon.lightning._checks import by_hand
+from lightning_muon.optim import _norms as norms
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -353,7 +354,7 @@ class UpdateLoop:
             for o in optimizers
             for g in o.param_groups
             for p in g["params"]
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+            if p.grad is not None and not norms.is_finite(p.grad)
         ]
         shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
         if self.consecutive_skips >= limit:
@@ -368,16 +369,16 @@ def _clip(params: list[torch.Tensor], norm: torch.Tensor, settings: UpdateSettin
     """The fit's clipping over every optimizer's gradients: by value, or by the global norm already taken."""
     clip = settings.gradient_clip_val
     if clip is not None and settings.gradient_clip_algorithm == "value":
-        torch.nn.utils.clip_grad_value_(params, clip)
+        norms.clip_value_(params, clip)
     elif clip is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        norms.clip_with_norm_(params, clip, norm)
 
 
 def _gradient_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """The global norm of ``params``' gradients; recomputed in float64 where every element is finite but the
     norm overflowed its dtype (fp16 past 65504)."""
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-    if not bool(torch.isfinite(norm)) and all(bool(torch.isfinite(g).all()) for g in grads):
-        norm = torch.nn.utils.get_total_norm([g.double() for g in grads])
+    norm = norms.total_norm(grads)
+    if not bool(torch.isfinite(norm)) and all(norms.is_finite(g) for g in grads):
+        norm = norms.total_norm([g.double() for g in grads])
     return norm

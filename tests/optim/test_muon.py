@@ -776,7 +776,11 @@ def test_fp32_ns_dtype_steps_with_fp32_newton_schulz():
         for p, g in zip(params, grads):
             p.grad = g
         opt.step()
-        assert _all_equal([p.detach() for p in params], expected)
+        if dtype == torch.bfloat16:  # the bf16 path is bit for bit
+            assert _all_equal([p.detach() for p in params], expected)
+        else:  # fp32 matmul kernels may round a batch of one and a lone matrix 1 ulp apart (seen on Xeon CPUs)
+            for p, e in zip(params, expected):
+                torch.testing.assert_close(p.detach(), e, rtol=0, atol=4 * torch.finfo(torch.float32).eps)
         results[dtype] = params
     for p32, p16 in zip(results[torch.float32], results[torch.bfloat16]):
         diff = (p32 - p16).abs().max().item()

@@ -1,0 +1,105 @@
+"""Run by tests/test_tensor_parallel.py in a subprocess (Lightning's ModelParallelStrategy re-launches this script
+for the other ranks): a small attention + SwiGLU language model under `MuonMixin`, tensor parallel with the plan
+of Lightning's tensor-parallel tutorial (the attention and feed-forward projections parallelised, the embedding,
+norms and head left plain tensors); with ``--devices 1`` the same model in one process. Saves every rank's
+gathered parameters to ``out``.
+
+``helpers`` imports without a ``sys.path`` edit: running a script puts its own directory first on ``sys.path``."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from lightning_muon import MuonMixin
+
+from helpers import EndProcessGroup, SaveEveryRank, muon_factory
+
+VOCAB, DIM, HEADS, HIDDEN, SEQ = 64, 32, 4, 64, 16
+
+#: Lightning's tensor-parallel tutorial plan for one block.
+TUTORIAL_PLAN = {
+    "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel(),
+    "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel(),
+}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.w1, self.w3 = nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        # -1 heads: under tensor parallelism each rank holds HEADS / tp of them
+        q, k, v = (w(h).view(b, s, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.wo(attention)
+        h = self.norm2(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.embedding = nn.Embedding(VOCAB, DIM)
+            self.blocks = nn.ModuleList([Block() for _ in range(2)])
+            self.norm = nn.RMSNorm(DIM)
+            self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def configure_model(self) -> None:
+        if self._device_mesh is None:  # one process
+            return
+        for block in self.blocks:
+            parallelize_module(block, self.device_mesh["tensor_parallel"], TUTORIAL_PLAN)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        x = self.embedding(tokens[:, :-1])
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def train_dataloader(self):
+        tokens = torch.randint(0, VOCAB, (32, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8)
+
+
+class MuonTinyLM(MuonMixin, TinyLM):
+    pass
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--clip-algorithm", default="norm")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    L.seed_everything(0)
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=args.devices) if args.devices > 1 \
+        else "auto"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[SaveEveryRank(args.out), EndProcessGroup()], gradient_clip_val=args.clip,
+        gradient_clip_algorithm=args.clip_algorithm,
+        use_distributed_sampler=False,  # tensor parallel only: every rank trains on the whole batch
+    )
+    trainer.fit(MuonTinyLM(muon=muon_factory()))
