@@ -53,11 +53,9 @@ from lightning_muon.optim._dtensor import is_dtensor
 from lightning_muon.optim._plan import (
     Job,
     PlanCache,
-    exchange_layout,
     exchange_rounds,
     in_bucket_order,
     plan_jobs,
-    sub_bucket,
 )
 from lightning_muon.optim._update import Bucket, Chooser, ParamDiagnostics
 
@@ -182,7 +180,7 @@ class ReplicatedStep(DistributedStep):
             return []
         size, rank = self.world.size, self.world.rank
         jobs = self._plans.get(buckets, lambda: plan_jobs(buckets, size))
-        parts = [sub_bucket(buckets[job.bucket], job.indices) for job in jobs]
+        parts = [buckets[job.bucket].subset(job.indices) for job in jobs]
         local = {}
         for j, (job, part) in enumerate(zip(jobs, parts, strict=True)):
             if job.owner == rank:
@@ -192,9 +190,9 @@ class ReplicatedStep(DistributedStep):
         for b, bucket in enumerate(buckets):
             others = [i for i in range(len(bucket.params)) if i not in mine.get(b, ())]
             if others:
-                _update.advance_momentum(sub_bucket(bucket, others))
+                _update.advance_momentum(bucket.subset(others))
         device = buckets[0].params[0].device
-        layouts = [exchange_layout(part) for part in parts]
+        layouts = [part.exchange_layout for part in parts]
         owners = [job.owner for job in jobs]
         gathered = all_gather_results(local, owners, layouts, self.world, device, self.buffers)
         self.exchanged_bytes = int(sum(t.numel() * t.element_size() for ts in local.values() for t in ts))
@@ -276,13 +274,13 @@ class ShardedStep(DistributedStep):
         touched: dict[int, list[int]] = {}  # bucket -> its positions in this round: one foreach call per bucket
         for job in jobs:
             touched.setdefault(job.bucket, []).extend(job.indices)
-        parts = {b: (sorted(ix), sub_bucket(local[b], sorted(ix))) for b, ix in touched.items()}
+        parts = {b: (sorted(ix), local[b].subset(sorted(ix))) for b, ix in touched.items()}
         update_of: dict[tuple[int, int], Tensor] = {}
         for b, (ix, part) in parts.items():
             update_of.update(zip([(b, i) for i in ix], _update.momentum(part), strict=True))
         shards = [[update_of[job.bucket, i] for i in job.indices] for job in jobs]
         owners = [job.owner for job in jobs]
-        layouts = [exchange_layout(sub_bucket(buckets[job.bucket], job.indices)) for job in jobs]
+        layouts = [buckets[job.bucket].subset(job.indices).exchange_layout for job in jobs]
         whole = gather_to_owners(shards, owners, layouts, self.world, self.buffers)
         results = {j: _update.orthogonalise(buckets[jobs[j].bucket].group, stack) for j, stack in whole.items()}
         device = local[0].params[0].device
