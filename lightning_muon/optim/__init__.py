@@ -5,10 +5,12 @@ group's settings mean: shapes, effective lr, Newton-Schulz dtype and path; publi
 callbacks and the Lightning config), ``_update`` (momentum, orthogonalise, apply, diagnostics on
 buckets of same-shape matrices), ``_collectives`` (process groups and byte exchanges), ``_plan``
 (which rank orthogonalises which matrices, exchange rounds), ``_strategies`` (local, DDP-split,
-FSDP2-owner), `muon` (the optimizer class). ``_dtensor`` (is a tensor a DTensor?) sits under them
+FSDP2-owner), ``_choice`` (which strategy, said once, and `StrategyInfo`, what `Muon.strategy` tells of it),
+`muon` (the optimizer class). ``_dtensor`` (is a tensor a DTensor?) sits under them
 all, `schedulers` stands apart. Nothing here imports Lightning (``tests/test_layout.py`` checks it).
 """
 
+from lightning_muon.optim._choice import StrategyInfo
 from lightning_muon.optim._update import preview_update
 from lightning_muon.optim.muon import Muon, ParamDiagnostics, adjust_lr
 from lightning_muon.optim.newton_schulz import orthogonality_error, zeropower_via_newtonschulz
@@ -17,6 +19,7 @@ from lightning_muon.optim.schedulers import WarmupCosine
 __all__ = [
     "Muon",
     "ParamDiagnostics",
+    "StrategyInfo",
     "WarmupCosine",
     "adjust_lr",
     "orthogonality_error",
