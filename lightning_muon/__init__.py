@@ -11,6 +11,7 @@ by the names that need it (`MuonMixin`, `MuonMonitor`, `QKClip`, `WallClock`).
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -64,6 +65,11 @@ __all__ = [
     "zeropower_via_newtonschulz",
 ]
 __version__ = "0.1.0"
+
+# A library adds no output of its own to its logger (the ``lightning_muon`` logger: the optimizer's line on which
+# path a distributed run takes), only a handler that drops what no other handler takes; the application (the
+# ``lightning-muon`` command: `lightning_muon.commands.cli.main`) decides where the records go.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str) -> Any:

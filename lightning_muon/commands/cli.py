@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
@@ -159,8 +160,24 @@ def _help() -> None:
         _hand_over_to_lightning_sdk(["--help"])
 
 
+def _log_to_stderr() -> None:
+    """The command's output for the ``lightning_muon`` logger (the optimizer's line on which path a distributed run
+    takes), the way ``lightning.pytorch`` sets up its own: INFO, printed to stderr unless the root logger already
+    has a handler, in which case the records propagate to it."""
+    logger = logging.getLogger("lightning_muon")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    printing = any(not isinstance(handler, logging.NullHandler) for handler in logger.handlers)
+    if not logging.getLogger().hasHandlers() and not printing:
+        logger.addHandler(logging.StreamHandler())
+        logger.propagate = False
+
+
 def main(args: Sequence[str] | None = None) -> None:
-    """Entry point of ``lightning``, ``lightning-muon`` and ``python -m lightning_muon``."""
+    """Entry point of ``lightning``, ``lightning-muon`` and ``python -m lightning_muon``: with no ``args``, the
+    command line (and the ``lightning_muon`` logger printed to stderr: `_log_to_stderr`)."""
+    if args is None:
+        _log_to_stderr()
     argv = list(sys.argv[1:] if args is None else args)
     command = argv[0] if argv else None
     if command is None:  # like argparse without its required subcommand: the overview, on stderr, and 2
