@@ -52,7 +52,8 @@ class StrategyInfo:
     description: str
     #: Whether the path is a fallback that repeats the Newton-Schulz work on every rank.
     fallback: bool
-    #: How many ranks share the Newton-Schulz work (1: this process does all of it).
+    #: How many ranks split the Newton-Schulz work (1: this process does all of it; HSDP: the ranks of each
+    #: replica's shard group).
     ranks: int
 
     @classmethod
@@ -74,9 +75,9 @@ def choose_strategy(
     device_mesh: DeviceMesh | None = None,
     round_bytes: int = EXCHANGE_ROUND_BYTES,
 ) -> Strategy:
-    """The strategy for these parameters (see the module docstring), said in one line on rank zero: at INFO
-    where the work could be split (several ranks, or DTensor parameters), at DEBUG on a single process, and as
-    a warning for a fallback that repeats the Newton-Schulz work on every rank.
+    """The strategy for these parameters (see `lightning_muon.optim._strategies`), said in one line on rank
+    zero: at INFO where the work could be split (several ranks, or DTensor parameters), at DEBUG on a single
+    process, and as a warning for a fallback that repeats the Newton-Schulz work on every rank.
 
     Replicated parameters split their work over ``process_group`` (default: the default group), DTensors over
     ``device_mesh`` (default: their own mesh). With ``stacks`` (some parameter holds a stack of matrices,
