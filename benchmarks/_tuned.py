@@ -17,7 +17,9 @@ from typing import Any
 
 import yaml
 
-from lightning_muon.commands.compare import Outcome, Side, edge, load_side, outcomes
+from lightning_muon.commands.compare.aggregate import Outcome, Side, outcomes
+from lightning_muon.commands.compare.sweep import edge
+from lightning_muon.commands.compare.tuning import load_side
 
 #: Every tuned study's Muon settings beyond its lr: the shipped configs' momentum and weight decay, and fp32
 #: Newton-Schulz (on CPUs without native bf16, as AVX2 ones, bf16 matmuls are emulated: a Muon step of GPT-2's

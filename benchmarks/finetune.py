@@ -32,7 +32,7 @@ from typing import Any
 
 import _tuned
 
-from lightning_muon.commands.compare import edge_notes, seeds_table, sweep_table, verdict
+from lightning_muon.commands.compare.aggregate import edge_notes, seeds_table, sweep_table, verdict
 
 import _common
 import _report

@@ -7,7 +7,7 @@ Two examples, both through the real configs:
   (AdamW-only: the AdamW lr; Muon + AdamW: the Muon lr, AdamW's lr on the
   embeddings, norms and head left at the config's), then more seeds at each side's
   best lr, all for the same number of steps: the machinery of ``lightning-muon
-  compare --sweep --seeds N`` (`lightning_muon.commands.compare.tune`: every fit a
+  compare --sweep --seeds N`` (`lightning_muon.commands.compare.tuning.tune`: every fit a
   subprocess of ``lightning-muon fit --config ... --seed_everything N
   --data.init_args.seed N ...`` with `lightning_muon.WallClock`), with this
   benchmark's explicit lr grids, and its tables (`sweep_table`, `seeds_table`) and
@@ -44,21 +44,17 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
-from lightning_muon.commands.compare import (
-    Progress,
+from lightning_muon.commands.compare.aggregate import (
     Side,
     edge_notes,
-    fit_count,
     outcomes,
-    plot_tuned,
     resolution_note,
     seeds_table,
-    side_spec,
     spread,
-    subprocess_fit,
     sweep_table,
-    tune,
 )
+from lightning_muon.commands.compare.plot import plot_tuned
+from lightning_muon.commands.compare.tuning import Progress, fit_count, side_spec, subprocess_fit, tune
 
 import _common
 import _report
@@ -88,8 +84,8 @@ THREADS: int | None = None
 
 def gpt_sides(console: Console, lrs: dict[str, list[float]], seeds: int, steps: int, val_points: int,
               val_batches: int, log_root: Path) -> list[Side]:
-    """Both sides (AdamW-only, then Muon + AdamW) swept and seeded by `lightning_muon.commands.compare.tune`, each
-    fit a subprocess with its output in a file beside its logs."""
+    """Both sides (AdamW-only, then Muon + AdamW) swept and seeded by
+    `lightning_muon.commands.compare.tuning.tune`, each fit a subprocess with its output in a file beside its logs."""
     overrides = ["--trainer.limit_val_batches", str(val_batches), "--trainer.enable_progress_bar", "false"]
     specs = [side_spec(name, config, overrides, lambda _swept, name=name: lrs[name])
              for name, config in (("adamw", GPT_ADAMW), ("muon", GPT_MUON))]

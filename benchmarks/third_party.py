@@ -37,7 +37,7 @@ from typing import Any
 import _tuned
 import numpy as np
 
-from lightning_muon.commands.compare import edge_notes, spread
+from lightning_muon.commands.compare.aggregate import edge_notes, spread
 
 import _common
 import _report

@@ -1,7 +1,18 @@
 """lightning_muon: the Muon optimizer as a one-line change for PyTorch Lightning.
 
-The public API is what this module exports; everything else (modules and names
-starting with ``_``, and the subpackages' internals) may change between releases.
+The public API, in three tiers (named here and nowhere else; ``tests/test_public_api.py`` pins their names):
+
+1. this module, ``lightning_muon.__all__``: the optimizer (`Muon`, `MuonWithAdamW`), the mixin, the callbacks,
+   the routing and the Newton-Schulz functions;
+2. ``lightning_muon.attention``: QK-Clip in plain PyTorch (`QKClipper`), and the adapter (`QKLayout`,
+   `QKProjection`, `record_qk`) that teaches it an attention it does not know;
+3. ``lightning_muon.optim.groups``: what a param group's settings mean (shapes, layouts, the effective lr, the
+   Newton-Schulz dtype and path), for code that reads the optimizers' param groups.
+
+The names these hand out are public with them (`Muon.strategy`'s ``lightning_muon.optim.StrategyInfo``). Each
+subpackage declares in its ``__all__`` what it exports to the tiers and to the subpackages above it; everything
+else (modules and names starting with ``_``, and every module not named above) may change between releases.
+The command line (``lightning-muon``) is an interface of its own.
 
 Names load on first use, so ``from lightning_muon import Muon`` (or ``import
 lightning_muon.optim``, or ``MuonWithAdamW``) needs torch only: Lightning is imported
@@ -11,6 +22,7 @@ by the names that need it (`MuonMixin`, `MuonMonitor`, `QKClip`, `WallClock`).
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -64,6 +76,11 @@ __all__ = [
     "zeropower_via_newtonschulz",
 ]
 __version__ = "0.1.0"
+
+# A library adds no output of its own to its logger (the ``lightning_muon`` logger: the optimizer's line on which
+# path a distributed run takes), only a handler that drops what no other handler takes; the application (the
+# ``lightning-muon`` command: `lightning_muon.commands.cli.main`) decides where the records go.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str) -> Any:

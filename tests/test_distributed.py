@@ -111,9 +111,10 @@ def _agreement_worker(rank: int, init_file: str, out: str) -> None:
         p.grad = torch.ones_like(p)
     params[0].grad = torch.ones_like(params[0]) if rank == 0 else None  # missing on rank 1 only
     optimizer.step()
-    strategy = optimizer._choice.chosen  # private: the chosen strategy and its `agree` have no public read-out
+    strategy = optimizer._choice.chosen  # private: the agreement itself is no public API
     flags = strategy.agree([rank == 0, rank == 1, False], torch.device("cpu"))
-    torch.save({"reduced": reduced, "flags": flags, "sent": optimizer.last_exchange_bytes, "path": strategy.description,
+    path = optimizer.strategy.description
+    torch.save({"reduced": reduced, "flags": flags, "sent": optimizer.last_exchange_bytes, "path": path,
                 "buffer": optimizer.state[params[0]]["momentum_buffer"].clone()}, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
     os._exit(0)  # as _sharded_worker: no interpreter teardown
@@ -157,25 +158,25 @@ def test_a_muon_stepped_before_init_process_group_chooses_its_strategy_again_aft
     optimizer = Muon([p])
     p.grad = torch.ones_like(p)
     optimizer.step()
-    before = optimizer._choice.chosen  # private: which strategy object is in use has no public read-out
+    before = optimizer.strategy  # one object per choice
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         optimizer.step()
-        during = optimizer._choice.chosen
+        during = optimizer.strategy
         optimizer.step()
-        assert optimizer._choice.chosen is during
+        assert optimizer.strategy is during
         # An explicit group (here the default one) is used as given, and not chosen again after a change.
         explicit = Muon([p], process_group=dist.group.WORLD)
         explicit.step()
-        given = explicit._choice.chosen
+        given = explicit.strategy
     finally:
         dist.destroy_process_group()
     optimizer.step()
     explicit.step()
-    assert during is not before and optimizer._choice.chosen is not during
-    assert explicit._choice.chosen is given
+    assert during is not before and optimizer.strategy is not during
+    assert explicit.strategy is given
     # One rank: nothing to split, so every choice is the local path.
-    assert all(isinstance(s, _strategies.LocalStep) for s in (before, during, given, optimizer._choice.chosen))
+    assert all(s.kind == "local" and s.ranks == 1 for s in (before, during, given, optimizer.strategy))
 
 
 #: Replicated matrices of the explicit-group worker: a tall one and its wide twin, two squares.
@@ -211,11 +212,12 @@ def _where_worker(rank: int, init_file: str, out: str) -> None:
         return "accepted"
 
     results: dict = {}
-    # `_choice.chosen.description`: the path line is logged from rank zero only, so each rank reads it here.
+    # `strategy.description`: the path line is logged from rank zero only, so each rank reads it here.
     early, early_params = fresh()
-    results["before"] = stepped(early, early_params)._choice.chosen.description
+    results["before"] = stepped(early, early_params).strategy.description
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    results["after"] = (stepped(early, early_params)._choice.chosen.description, early.last_exchange_bytes)
+    results["after"] = (stepped(early, early_params).strategy.description, early.last_exchange_bytes)
+    results["kinds"] = {"after": (early.strategy.kind, early.strategy.ranks, early.strategy.fallback)}
     group, only_zero = dist.new_group([0, 1]), dist.new_group([0])  # collective: every rank creates both
     gathered_over, all_gather = [], dist.all_gather
 
@@ -228,22 +230,23 @@ def _where_worker(rank: int, init_file: str, out: str) -> None:
     dist.all_gather = all_gather
     alone = stepped(*fresh(split_ns=False))
     results["explicit"] = {
-        "path": explicit._choice.chosen.description,
+        "path": explicit.strategy.description,
         "sent": explicit.last_exchange_bytes,
         "over_the_group": [g is group for g in gathered_over],
         "params": [p.detach().clone() for group in explicit.param_groups for p in group["params"]],
         "alone": [p.detach().clone() for group in alone.param_groups for p in group["params"]],
     }
     if rank == 0:
-        results["only_zero"] = stepped(*fresh(process_group=only_zero))._choice.chosen.description
+        results["only_zero"] = stepped(*fresh(process_group=only_zero)).strategy.description
     else:
         results["only_zero"] = refusal(process_group=only_zero)
     mesh, other_mesh = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (1, 2))
     results["plain_on_a_mesh"] = refusal(device_mesh=mesh)
     place = functools.partial(distribute_tensor, device_mesh=mesh, placements=[Shard(0)])
     sharded = stepped(*fresh(device_mesh=mesh))
+    results["kinds"]["mesh"] = (sharded.strategy.kind, sharded.strategy.ranks, sharded.strategy.fallback)
     results["mesh"] = {
-        "path": sharded._choice.chosen.description,
+        "path": sharded.strategy.description,
         "sent": sharded.last_exchange_bytes,
         "params": [p.full_tensor().detach() for group in sharded.param_groups for p in group["params"]],
     }
@@ -252,7 +255,7 @@ def _where_worker(rank: int, init_file: str, out: str) -> None:
     dist.barrier()
     dist.destroy_process_group()
     place = lambda x: x  # noqa: E731
-    results["destroyed"] = stepped(early, early_params)._choice.chosen.description
+    results["destroyed"] = stepped(early, early_params).strategy.description
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     os._exit(0)  # as _sharded_worker: no interpreter teardown
 
@@ -277,6 +280,8 @@ def test_an_explicit_process_group_or_device_mesh_is_where_the_work_runs(tmp_pat
         torch.testing.assert_close(explicit["params"], explicit["alone"], atol=1e-6, rtol=0)
         # An explicit mesh: FSDP2's owner ranks on it, the result of one process.
         assert r["mesh"]["path"].startswith("Newton-Schulz on FSDP2 owner ranks: 2 ranks (") and r["mesh"]["sent"] > 0
+        # What `Muon.strategy` tells besides the words.
+        assert r["kinds"] == {"after": ("replicated", 2, False), "mesh": ("sharded", 2, False)}
         torch.testing.assert_close(r["mesh"]["params"], explicit["alone"], atol=1e-5, rtol=0)
         # Arguments that do not fit the parameters are refused at construction, naming the parameter.
         assert re.search(r"parameter 0 of shape \(8, 4\): device_mesh is for DTensor parameters",
@@ -352,11 +357,11 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
                     p.grad = None if unused else place(g)
                 optimizer.record_diagnostics()
                 optimizer.step()
-                strategy = optimizer._choice.chosen  # private: exchange rounds and buffers have no public read-out
-                if isinstance(strategy, _strategies.ShardedStep):
-                    exchanges.append((strategy.rounds, strategy.largest_buffer, strategy.buffers.kept_bytes))
+                chosen = optimizer._choice.chosen  # private: exchange rounds and buffers are no public API
+                if isinstance(chosen, _strategies.ShardedStep):
+                    exchanges.append((chosen.rounds, chosen.largest_buffer, chosen.buffers.kept_bytes))
         results[name] = {
-            "path": (strategy.description, strategy.fallback),
+            "path": (optimizer.strategy.description, optimizer.strategy.fallback),
             "warned": [str(w.message) for w in caught if str(w.message).startswith("Muon:")],
             "exchanges": exchanges,
             "params": [(p.full_tensor() if is_dtensor(p) else p).detach() for p in params],

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -48,7 +49,7 @@ from lightning_muon.combined import MuonWithAdamW
 from lightning_muon.lightning import _compat
 from lightning_muon.lightning._update_loop import SKIPPED_STEPS_KEY
 from lightning_muon.lightning.mixin import MuonMixin
-from lightning_muon.optim import preview_update
+from lightning_muon.optim import ParamDiagnostics, preview_update
 from lightning_muon.optim.groups import group_effective_lr, group_effective_lrs, lr_value
 from lightning_muon.optim.muon import Muon
 from lightning_muon.optim.newton_schulz import orthogonality_error
@@ -91,6 +92,20 @@ def _muon_of(optimizer: Optimizer) -> Optimizer:
     return optimizer
 
 
+@dataclass
+class _Pending:
+    """What a logging update gathers before its batch ends and the row is written."""
+
+    #: The update's logger step.
+    step: int
+    #: The learning rates it uses, by logger key (schedulers step after it).
+    lrs: dict[str, float]
+    #: The `Muon` optimizers asked to record their diagnostics during its step.
+    reporting: list[Muon] = field(default_factory=list)
+    #: The diagnostics recomputed before its step, for optimizers that cannot report (``torch.optim.Muon``).
+    recomputed: list[ParamDiagnostics] = field(default_factory=list)
+
+
 class MuonMonitor(Callback):
     """Log per-group learning rates, Muon's effective learning rates and how orthogonal its updates are.
 
@@ -123,7 +138,7 @@ class MuonMonitor(Callback):
         self.orthogonality = orthogonality
         self.per_parameter = per_parameter
         self.sample = sample
-        self._pending: dict[str, Any] | None = None
+        self._pending: _Pending | None = None
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -160,18 +175,17 @@ class MuonMonitor(Callback):
         step = _compat.logger_step(trainer)  # index of this update, as loggers count
         if (step + 1) % self._every:
             return
-        if self._pending is None or self._pending["step"] != step:
-            # The learning rates this update uses (schedulers step after it).
-            self._pending = {"step": step, "lrs": self._learning_rates(), "reporting": [], "recomputed": []}
+        if self._pending is None or self._pending.step != step:
+            self._pending = _Pending(step, self._learning_rates())
         if not (self.orthogonality and _is_muon(optimizer)):
             return
         chosen = self._choose(optimizer)
         if isinstance(optimizer, Muon):
             optimizer.clear_diagnostics()
             optimizer.record_diagnostics(chosen)
-            self._pending["reporting"].append(optimizer)
+            self._pending.reporting.append(optimizer)
         else:
-            self._pending["recomputed"] += self._recompute(optimizer, chosen)
+            self._pending.recomputed += self._recompute(optimizer, chosen)
 
     def _learning_rates(self) -> dict[str, float]:
         metrics = {}
@@ -193,7 +207,7 @@ class MuonMonitor(Callback):
         start = (self._round * self.sample) % len(params)
         return [params[(start + i) % len(params)] for i in range(self.sample)]
 
-    def _recompute(self, optimizer: Optimizer, chosen: list[Tensor]) -> list[tuple[str, Tensor, Tensor, int]]:
+    def _recompute(self, optimizer: Optimizer, chosen: list[Tensor]) -> list[ParamDiagnostics]:
         """The update ``torch.optim.Muon`` is about to make, from its gradient and momentum buffer."""
         chosen_ids = {id(p) for p in chosen}
         results = []
@@ -202,8 +216,10 @@ class MuonMonitor(Callback):
                 if id(p) not in chosen_ids or p.grad is None:
                     continue
                 update = preview_update(group, p.grad, optimizer.state[p].get("momentum_buffer"))
-                rms = update.square().mean().sqrt() * group_effective_lr(group, p.shape)
-                results.append((self._names.get(id(p), "?"), orthogonality_error(update), rms, p.numel()))
+                effective_lr = group_effective_lr(group, p.shape)
+                rms = update.square().mean().sqrt() * effective_lr
+                name = self._names.get(id(p), "?")
+                results.append(ParamDiagnostics(name, tuple(p.shape), effective_lr, orthogonality_error(update), rms))
         return results
 
     # ---------------------------------------------------------------- logging
@@ -215,20 +231,18 @@ class MuonMonitor(Callback):
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        metrics = dict(pending["lrs"])
-        diagnosed = list(pending["recomputed"])
-        for optimizer in pending["reporting"]:
-            diagnosed += [
-                (d.name, d.orthogonality_error, d.update_rms, math.prod(d.shape)) for d in optimizer.diagnostics
-            ]
+        metrics = dict(pending.lrs)
+        diagnosed = list(pending.recomputed)
+        for optimizer in pending.reporting:
+            diagnosed += optimizer.diagnostics
             optimizer.clear_diagnostics()  # a skipped update leaves its request unanswered: drop it
         if self.orthogonality and self._muon:
             self._round += 1
             device = self._error.device
             empty = torch.zeros(0, device=device)
-            errors = torch.stack([e for _, e, _, _ in diagnosed]).to(device) if diagnosed else empty
-            rms = torch.stack([r for _, _, r, _ in diagnosed]).to(device) if diagnosed else empty
-            numel = torch.tensor([n for *_, n in diagnosed], dtype=torch.long, device=device)
+            errors = torch.stack([d.orthogonality_error for d in diagnosed]).to(device) if diagnosed else empty
+            rms = torch.stack([d.update_rms for d in diagnosed]).to(device) if diagnosed else empty
+            numel = torch.tensor([math.prod(d.shape) for d in diagnosed], dtype=torch.long, device=device)
             self._error.reset()
             self._rms.reset()
             self._error.update(errors)
@@ -239,9 +253,9 @@ class MuonMonitor(Callback):
                 metrics["muon/orthogonality_error_max"] = largest.item()
                 metrics["muon/update_rms"] = self._rms.compute().item()
             if self.per_parameter:
-                for name, error, _, _ in diagnosed:
-                    metrics[f"muon/orthogonality_error/{name}"] = error.item()
+                for d in diagnosed:
+                    metrics[f"muon/orthogonality_error/{d.name}"] = d.orthogonality_error.item()
         if isinstance(pl_module, MuonMixin) and pl_module.muon_skipped_updates:
             metrics[SKIPPED_STEPS_KEY] = float(pl_module.muon_skipped_updates)
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=pending["step"])
+            logger.log_metrics(metrics, step=pending.step)

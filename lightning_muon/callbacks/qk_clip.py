@@ -23,6 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
@@ -88,7 +89,8 @@ class QKClip(Callback):
             )
         except (UnsupportedAttentionError, ValueError) as error:
             raise MisconfigurationException(f"QKClip: {error}") from error
-        if trainer.world_size > 1 and trainer.strategy.__class__.__name__ not in ("DDPStrategy",):
+        # DDP itself, not its subclasses (DeepSpeed's): the one multi-process strategy QKClip is tested under.
+        if trainer.world_size > 1 and type(trainer.strategy) not in _compat.lightning_classes(DDPStrategy):
             rank_zero_warn(
                 f"QKClip runs under {type(trainer.strategy).__name__}: it is tested on one process and under DDP; "
                 "sharded weights are refused when found."

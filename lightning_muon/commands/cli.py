@@ -31,30 +31,35 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from lightning_muon.commands.config_files import expand_configs
 
 __all__ = ["main"]
 
 
-def _inspect(argv: list[str], from_command_line: bool) -> None:
-    from lightning_muon.commands.inspect import main as inspect
+class Subcommand(NamedTuple):
+    """One subcommand of the command: what runs it, its line in `overview`, and which arguments it gets."""
 
-    inspect(argv)
+    #: Runs it: ``run(argv, from_command_line)``.
+    run: Callable[[list[str], bool], None]
+    #: Its line in `overview`.
+    summary: str
+    #: Whether it gets the whole command line, its own name included (LightningCLI's four), or what follows it.
+    whole_argv: bool = False
 
 
-def _compare(argv: list[str], from_command_line: bool) -> None:
-    from lightning_muon.commands.compare import main as compare  # matplotlib and friends only when comparing
+def _main_of(module: str) -> Callable[[list[str], bool], None]:
+    """Run ``module``'s ``main(argv)``, importing it only then (``compare``'s matplotlib and friends, Lightning for
+    ``inspect``, load only when that subcommand runs)."""
 
-    compare(argv)
+    def run(argv: list[str], from_command_line: bool) -> None:
+        importlib.import_module(module).main(argv)
 
-
-def _configs(argv: list[str], from_command_line: bool) -> None:
-    from lightning_muon.commands.configs import main as configs
-
-    configs(argv)
+    return run
 
 
 def _lightning_cli(argv: list[str], from_command_line: bool) -> None:
@@ -63,40 +68,38 @@ def _lightning_cli(argv: list[str], from_command_line: bool) -> None:
     lightning_cli.run(expand_configs(argv), from_command_line)
 
 
-def _convert(argv: list[str], from_command_line: bool) -> None:
-    from lightning_muon.commands.convert import main as convert
-
-    convert(argv)
-
-
-#: Every subcommand and what runs it: LightningCLI's four get the whole command line (subcommand included), the
-#: others the rest of it after their name. No subcommand: ``--help``, ``-h`` and no argument at all get `overview`,
-#: ``--version`` and ``-V`` `_version`; any other first argument starting with ``-`` (``--config FILE fit``...) goes
-#: to LightningCLI as it is.
-COMMANDS: dict[str, Callable[[list[str], bool], None]] = {
-    "fit": _lightning_cli,
-    "validate": _lightning_cli,
-    "test": _lightning_cli,
-    "predict": _lightning_cli,
-    "inspect": _inspect,
-    "compare": _compare,
-    "configs": _configs,
-    "convert-checkpoint": _convert,
-}
-
-#: LightningCLI's subcommands: they get the whole command line.
-LIGHTNING_CLI_COMMANDS = ("fit", "validate", "test", "predict")
-
-#: One line per subcommand for `overview` (from each one's module docstring).
-SUMMARIES: dict[str, str] = {
-    "fit": "train a model (LightningCLI's: any model and data module by class_path, from --config files)",
-    "validate": "one evaluation epoch over the validation set (LightningCLI's)",
-    "test": "one evaluation epoch over the test set (LightningCLI's)",
-    "predict": "run inference on the data and collect the predictions (LightningCLI's)",
-    "inspect": "a config's parameter routing and effective learning rates, without training",
-    "compare": "fit several configs, then plot and tabulate their validation loss by step and by time",
-    "configs": "the configs that ship with the package, one line each; --copy NAME to edit one",
-    "convert-checkpoint": "an FSDP2 distributed checkpoint as one file, for one process or DDP",
+#: Every subcommand, in the order `overview` lists them. No subcommand: ``--help``, ``-h`` and no argument at all
+#: get `overview`, ``--version`` and ``-V`` `_version`; any other first argument starting with ``-`` (``--config
+#: FILE fit``...) goes to LightningCLI as it is.
+COMMANDS: dict[str, Subcommand] = {
+    "fit": Subcommand(
+        _lightning_cli,
+        "train a model (LightningCLI's: any model and data module by class_path, from --config files)",
+        whole_argv=True,
+    ),
+    "validate": Subcommand(
+        _lightning_cli, "one evaluation epoch over the validation set (LightningCLI's)", whole_argv=True
+    ),
+    "test": Subcommand(_lightning_cli, "one evaluation epoch over the test set (LightningCLI's)", whole_argv=True),
+    "predict": Subcommand(
+        _lightning_cli, "run inference on the data and collect the predictions (LightningCLI's)", whole_argv=True
+    ),
+    "inspect": Subcommand(
+        _main_of("lightning_muon.commands.inspect"),
+        "a config's parameter routing and effective learning rates, without training",
+    ),
+    "compare": Subcommand(
+        _main_of("lightning_muon.commands.compare"),
+        "fit several configs, then plot and tabulate their validation loss by step and by time",
+    ),
+    "configs": Subcommand(
+        _main_of("lightning_muon.commands.configs"),
+        "the configs that ship with the package, one line each; --copy NAME to edit one",
+    ),
+    "convert-checkpoint": Subcommand(
+        _main_of("lightning_muon.commands.convert"),
+        "an FSDP2 distributed checkpoint as one file, for one process or DDP",
+    ),
 }
 
 
@@ -109,7 +112,7 @@ def overview() -> str:
         "Train LightningModules with Muon (hidden matrices) + AdamW (the rest).",
         "",
         "subcommands:",
-        *(f"  {name:<{width}}{SUMMARIES[name]}" for name in COMMANDS),
+        *(f"  {name:<{width}}{subcommand.summary}" for name, subcommand in COMMANDS.items()),
         "",
         "options:",
         f"  {'-h, --help':<{width}}this overview",
@@ -159,8 +162,24 @@ def _help() -> None:
         _hand_over_to_lightning_sdk(["--help"])
 
 
+def _log_to_stderr() -> None:
+    """The command's output for the ``lightning_muon`` logger (the optimizer's line on which path a distributed run
+    takes), the way ``lightning.pytorch`` sets up its own: INFO, printed to stderr unless the root logger already
+    has a handler, in which case the records propagate to it."""
+    logger = logging.getLogger("lightning_muon")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    printing = any(not isinstance(handler, logging.NullHandler) for handler in logger.handlers)
+    if not logging.getLogger().hasHandlers() and not printing:
+        logger.addHandler(logging.StreamHandler())
+        logger.propagate = False
+
+
 def main(args: Sequence[str] | None = None) -> None:
-    """Entry point of ``lightning``, ``lightning-muon`` and ``python -m lightning_muon``."""
+    """Entry point of ``lightning``, ``lightning-muon`` and ``python -m lightning_muon``: with no ``args``, the
+    command line (and the ``lightning_muon`` logger printed to stderr: `_log_to_stderr`)."""
+    if args is None:
+        _log_to_stderr()
     argv = list(sys.argv[1:] if args is None else args)
     command = argv[0] if argv else None
     if command is None:  # like argparse without its required subcommand: the overview, on stderr, and 2
@@ -173,10 +192,9 @@ def main(args: Sequence[str] | None = None) -> None:
         _help()
     elif command.startswith("-"):  # LightningCLI's own top-level options: --config FILE fit, --help fit...
         _lightning_cli(argv, args is None)
-    elif command in LIGHTNING_CLI_COMMANDS:
-        COMMANDS[command](argv, args is None)
     elif command in COMMANDS:
-        COMMANDS[command](argv[1:], args is None)
+        subcommand = COMMANDS[command]
+        subcommand.run(argv if subcommand.whole_argv else argv[1:], args is None)
     elif _sdk_installed():
         _hand_over_to_lightning_sdk(argv)
     else:

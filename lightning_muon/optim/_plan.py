@@ -42,26 +42,6 @@ class Job(NamedTuple):
     indices: tuple[int, ...]
 
 
-def sub_bucket(bucket: Bucket, indices: Sequence[int]) -> Bucket:
-    """The bucket restricted to the parameters at ``indices`` (its group, shape and layout kept); the whole
-    bucket itself when ``indices`` covers it in order."""
-    if list(indices) == list(range(len(bucket.params))):
-        return bucket
-    return bucket._replace(
-        params=[bucket.params[i] for i in indices],
-        grads=[bucket.grads[i] for i in indices],
-        bufs=[bucket.bufs[i] for i in indices],
-        names=[bucket.names[i] for i in indices],
-    )
-
-
-def exchange_layout(bucket: Bucket) -> ExchangeLayout:
-    """What a distributed exchange needs to know of a bucket: one 2D block per parameter (its matrices one
-    under the other), in the group's Newton-Schulz dtype."""
-    m, n = bucket.shape
-    return ExchangeLayout(len(bucket.params), (m * bucket.per_param, n), ns_dtype(bucket.group))
-
-
 def assign_owners(costs: Sequence[float], world_size: int) -> list[int]:
     """The rank that computes each job: largest jobs first, each to the least-loaded rank (ties: lowest rank).
 
@@ -112,7 +92,7 @@ class PlanCache(Generic[T]):
 
     def get(self, buckets: Sequence[Bucket], plan: Callable[[], T], limit: int = 0) -> T:
         """``plan()``, or the last one where ``buckets`` and ``limit`` ask for the same work."""
-        key = (tuple((len(b.params), b.flops, exchange_layout(b)) for b in buckets), limit)
+        key = (tuple((len(b.params), b.flops, b.exchange_layout) for b in buckets), limit)
         if self._last is None or self._last[0] != key:
             self._last = (key, plan())
         return self._last[1]
@@ -142,8 +122,8 @@ def balance(buckets: Sequence[Bucket], jobs: Sequence[Job], world_size: int) -> 
     """Bytes and FLOPs per rank of a plan of these buckets."""
     sent, flops = [0] * world_size, [0.0] * world_size
     for job in jobs:
-        part = sub_bucket(buckets[job.bucket], job.indices)
-        sent[job.owner] += exchange_layout(part).nbytes
+        part = buckets[job.bucket].subset(job.indices)
+        sent[job.owner] += part.exchange_layout.nbytes
         flops[job.owner] += part.flops
     return Balance(sent, flops)
 
@@ -155,7 +135,7 @@ def param_exchange_bytes(bucket: Bucket, world_size: int) -> tuple[int, int]:
     """What one parameter of the bucket weighs in an FSDP2 exchange buffer: ``(whole, rows)``, the bytes its
     owner receives (every rank's row shard, each 8-byte aligned; as much again for the stack and the results
     it sends back), and the most bytes any rank sends of it (the first rank's rows, the longest)."""
-    (m, n), dtype = exchange_layout(bucket).shape, ns_dtype(bucket.group)
+    (m, n), dtype = bucket.exchange_layout.shape, ns_dtype(bucket.group)
     heights = shard_rows(m, world_size)
     whole = sum(ExchangeLayout(1, (h, n), dtype).nbytes for h in heights)
     return whole, ExchangeLayout(1, (heights[0], n), dtype).nbytes

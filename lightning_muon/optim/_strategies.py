@@ -1,7 +1,8 @@
 """Where Muon's Newton-Schulz work runs: on every rank, split over DDP ranks, or on FSDP2 owner ranks.
 
-Every strategy is a `Strategy`; `choose_strategy` picks one of three, from the parameters and the process
-group (the default one, or an explicit ``process_group`` / ``device_mesh`` given to `lightning_muon.Muon`):
+Every strategy is a `Strategy`; `lightning_muon.optim._choice` picks one of three, from the parameters and the
+process group (the default one, or an explicit ``process_group`` / ``device_mesh`` given to `lightning_muon.Muon`),
+and says which:
 
 - `LocalStep`: one process, or every rank doing all the work (``split_ns=False``,
   and DTensor layouts other than FSDP2's and HSDP's, whose matrices are gathered
@@ -16,9 +17,6 @@ group (the default one, or an explicit ``process_group`` / ``device_mesh`` given
 The two distributed ones are `DistributedStep`s: they hold their `World` (which ranks share the work) from
 construction on. Owners are assigned per parameter, each bucket cut into one job per owner
 (`lightning_muon.optim._plan`), so the split does not depend on ``ns_batch_bytes``.
-A distributed run says which path it takes in one rank-zero line at its first step (the ``lightning_muon``
-logger at INFO; a fallback is a warning); a single process says it only at DEBUG. `StrategyChoice` keeps
-an optimizer's strategy and chooses again when what it was chosen from changes.
 
 Each strategy owns its owners, exchange buffers, byte count and diagnostics;
 all of them use the maths of `lightning_muon.optim._update`.
@@ -26,11 +24,9 @@ all of them use the maths of `lightning_muon.optim._update`.
 
 from __future__ import annotations
 
-import logging
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -45,24 +41,16 @@ from lightning_muon.optim._collectives import (
     any_rank,
     gather_to_owners,
     make_agreement,
-    replicated_world,
     scatter_from_owners,
-    sharded_world,
 )
-from lightning_muon.optim._dtensor import is_dtensor
 from lightning_muon.optim._plan import (
     Job,
     PlanCache,
-    exchange_layout,
     exchange_rounds,
     in_bucket_order,
     plan_jobs,
-    sub_bucket,
 )
 from lightning_muon.optim._update import Bucket, Chooser, ParamDiagnostics
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 #: The most bytes one FSDP2 exchange buffer holds per rank by default (a round of exchanges stays within it,
 #: see `lightning_muon.optim._plan.exchange_rounds`): large enough for all-to-alls at full bandwidth and for
@@ -72,17 +60,23 @@ EXCHANGE_ROUND_BYTES = 64 << 20
 #: What a step on one process says it does.
 ALONE = "Newton-Schulz runs on this process alone"
 
+#: The three paths, one word each (`Strategy.kind`): this process does all the work, the ranks split replicated
+#: matrices (DDP), or owner ranks orthogonalise sharded ones (FSDP2, HSDP).
+Kind = Literal["local", "replicated", "sharded"]
+
 
 class Strategy(ABC):
     """How a Muon step runs: which parameters step (`buckets`), then momentum, Newton-Schulz and apply (`run`)."""
 
+    #: The path, in one word.
+    kind: ClassVar[Kind]
     #: Sharded matrices are orthogonalised one at a time, each gathered whole.
     whole_dtensors: ClassVar[bool] = True
     #: Ranks exchange work, so every rank must build the same buckets (`_update.collect_buckets`).
     synced: ClassVar[bool] = False
 
     def __init__(self, description: str, *, fallback: bool = False, complete_state: bool = False) -> None:
-        #: Which path the run takes, a clause for the rank-zero line of `choose_strategy`.
+        #: Which path the run takes, a clause for the rank-zero line of `_choice.choose_strategy`.
         self.description = description
         #: Whether that path is a fallback that repeats the Newton-Schulz work on every rank.
         self.fallback = fallback
@@ -119,6 +113,8 @@ class Strategy(ABC):
 
 class LocalStep(Strategy):
     """Every bucket orthogonalised here, bucket by bucket (DTensors gathered whole on every rank)."""
+
+    kind = "local"
 
     def __init__(self, description: str = ALONE, *, fallback: bool = False, complete_state: bool = False) -> None:
         super().__init__(description, fallback=fallback, complete_state=complete_state)
@@ -166,6 +162,8 @@ class ReplicatedStep(DistributedStep):
     Every rank keeps every momentum buffer (Lightning checkpoints rank 0), so parameters stay identical.
     """
 
+    kind = "replicated"
+
     def __init__(self, world: World) -> None:
         ranks = f"{world.size} DDP ranks" + ("" if world.group is None else " of the given process group")
         super().__init__(
@@ -182,7 +180,7 @@ class ReplicatedStep(DistributedStep):
             return []
         size, rank = self.world.size, self.world.rank
         jobs = self._plans.get(buckets, lambda: plan_jobs(buckets, size))
-        parts = [sub_bucket(buckets[job.bucket], job.indices) for job in jobs]
+        parts = [buckets[job.bucket].subset(job.indices) for job in jobs]
         local = {}
         for j, (job, part) in enumerate(zip(jobs, parts, strict=True)):
             if job.owner == rank:
@@ -192,9 +190,9 @@ class ReplicatedStep(DistributedStep):
         for b, bucket in enumerate(buckets):
             others = [i for i in range(len(bucket.params)) if i not in mine.get(b, ())]
             if others:
-                _update.advance_momentum(sub_bucket(bucket, others))
+                _update.advance_momentum(bucket.subset(others))
         device = buckets[0].params[0].device
-        layouts = [exchange_layout(part) for part in parts]
+        layouts = [part.exchange_layout for part in parts]
         owners = [job.owner for job in jobs]
         gathered = all_gather_results(local, owners, layouts, self.world, device, self.buffers)
         self.exchanged_bytes = int(sum(t.numel() * t.element_size() for ts in local.values() for t in ts))
@@ -220,6 +218,7 @@ class ShardedStep(DistributedStep):
     parameter / world``) afresh every step.
     """
 
+    kind = "sharded"
     whole_dtensors = False
 
     def __init__(self, world: World, *, round_bytes: int = EXCHANGE_ROUND_BYTES) -> None:
@@ -254,12 +253,12 @@ class ShardedStep(DistributedStep):
         rounds = self._plans.get(
             buckets, lambda: exchange_rounds(buckets, plan_jobs(buckets, size), size, limit), limit
         )
-        chosen = {} if diagnose is None else chosen_rows(buckets, diagnose)
+        chosen = {} if diagnose is None else _chosen_rows(buckets, diagnose)
         values = torch.zeros(len(chosen), 2, device=local[0].params[0].device)
         for jobs in rounds:
             results = self._round(buckets, local, jobs)
             if chosen:
-                measure_into(values, chosen, buckets, jobs, results)
+                _measure_into(values, chosen, buckets, jobs, results)
         self.rounds, self.largest_buffer = len(rounds), self.buffers.largest
         if diagnose is None:
             return []
@@ -276,13 +275,13 @@ class ShardedStep(DistributedStep):
         touched: dict[int, list[int]] = {}  # bucket -> its positions in this round: one foreach call per bucket
         for job in jobs:
             touched.setdefault(job.bucket, []).extend(job.indices)
-        parts = {b: (sorted(ix), sub_bucket(local[b], sorted(ix))) for b, ix in touched.items()}
+        parts = {b: (sorted(ix), local[b].subset(sorted(ix))) for b, ix in touched.items()}
         update_of: dict[tuple[int, int], Tensor] = {}
         for b, (ix, part) in parts.items():
             update_of.update(zip([(b, i) for i in ix], _update.momentum(part), strict=True))
         shards = [[update_of[job.bucket, i] for i in job.indices] for job in jobs]
         owners = [job.owner for job in jobs]
-        layouts = [exchange_layout(sub_bucket(buckets[job.bucket], job.indices)) for job in jobs]
+        layouts = [buckets[job.bucket].subset(job.indices).exchange_layout for job in jobs]
         whole = gather_to_owners(shards, owners, layouts, self.world, self.buffers)
         results = {j: _update.orthogonalise(buckets[jobs[j].bucket].group, stack) for j, stack in whole.items()}
         device = local[0].params[0].device
@@ -298,13 +297,13 @@ class ShardedStep(DistributedStep):
         return results
 
 
-def chosen_rows(buckets: Sequence[Bucket], diagnose: Chooser) -> dict[tuple[int, int], int]:
+def _chosen_rows(buckets: Sequence[Bucket], diagnose: Chooser) -> dict[tuple[int, int], int]:
     """``(bucket, position) -> row`` of every diagnosed parameter, in bucket order (as on one process)."""
     chosen = [(b, i) for b, bucket in enumerate(buckets) for i, p in enumerate(bucket.params) if diagnose(p)]
     return {key: row for row, key in enumerate(chosen)}
 
 
-def measure_into(
+def _measure_into(
     values: Tensor,
     chosen: dict[tuple[int, int], int],
     buckets: Sequence[Bucket],
@@ -320,155 +319,3 @@ def measure_into(
             errors, rms = _update.measure(stack[picked], buckets[job.bucket].effective_lr)
             rows = [chosen[job.bucket, job.indices[k]] for k in picked]
             values[rows] = torch.stack([errors, rms], dim=1)
-
-
-_log = logging.getLogger("lightning_muon")
-
-
-def choose_strategy(
-    params: Sequence[Tensor],
-    split_ns: bool,
-    stacks: bool = False,
-    *,
-    process_group: dist.ProcessGroup | None = None,
-    device_mesh: DeviceMesh | None = None,
-    round_bytes: int = EXCHANGE_ROUND_BYTES,
-) -> Strategy:
-    """The strategy for these parameters (see the module docstring), said in one line on rank zero: at INFO
-    where the work could be split (several ranks, or DTensor parameters), at DEBUG on a single process, and as
-    a warning for a fallback that repeats the Newton-Schulz work on every rank.
-
-    Replicated parameters split their work over ``process_group`` (default: the default group), DTensors over
-    ``device_mesh`` (default: their own mesh). With ``stacks`` (some parameter holds a stack of matrices,
-    sharded on its stack dim under FSDP2), every rank gathers the whole matrices instead of the owner exchange,
-    which splits matrix rows. ``round_bytes``: the most bytes of one FSDP2 exchange buffer (`ShardedStep`).
-    """
-    strategy = _choose(params, split_ns, stacks, process_group, device_mesh, round_bytes)
-    initialised = dist.is_available() and dist.is_initialized()
-    if initialised and dist.get_rank() != 0:
-        return strategy
-    message = f"Muon: {strategy.description}."
-    if strategy.fallback:
-        warnings.warn(message, UserWarning, stacklevel=6)  # the caller of optimizer.step() (past torch's two wrappers)
-    else:
-        several = initialised and dist.get_world_size() > 1
-        _log.log(logging.INFO if several or strategy.complete_state else logging.DEBUG, message)
-    return strategy
-
-
-def _choose(
-    params: Sequence[Tensor],
-    split_ns: bool,
-    stacks: bool,
-    process_group: dist.ProcessGroup | None,
-    device_mesh: DeviceMesh | None,
-    round_bytes: int,
-) -> Strategy:
-    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    dtensors = any(is_dtensor(p) for p in params)
-    if not split_ns:
-        if not (several or dtensors):
-            return LocalStep()
-        whole = "gathers and orthogonalises every whole matrix" if dtensors else "orthogonalises every matrix"
-        return LocalStep(f"every rank {whole} (split_ns=False)", complete_state=dtensors)
-    if dtensors:
-        stacked = "a parameter holds a stack of matrices (sharded on its stack dim)"
-        sharded = stacked if stacks else sharded_world(params, device_mesh)
-        if isinstance(sharded, World):
-            return ShardedStep(sharded, round_bytes=round_bytes)
-        whole = f"every rank gathers and orthogonalises every whole matrix (not split: {sharded})"
-        return LocalStep(whole, fallback=several, complete_state=True)
-    replicated = replicated_world(process_group) if params else None
-    return ReplicatedStep(replicated) if replicated is not None else LocalStep()
-
-
-class StrategyChoice:
-    """The strategy an optimizer steps with, and what it was chosen from.
-
-    Chosen at the first step (`for_step`), and again when ``split_ns`` changes or, without an explicit
-    ``process_group`` or ``device_mesh``, when the default process group does: an optimizer stepped before
-    ``init_process_group`` (or after a ``destroy_process_group``) takes the distributed path once there is one.
-    """
-
-    def __init__(
-        self,
-        process_group: dist.ProcessGroup | None = None,
-        device_mesh: DeviceMesh | None = None,
-        round_bytes: int = EXCHANGE_ROUND_BYTES,
-    ) -> None:
-        _check_where(process_group, device_mesh, round_bytes)
-        #: The process group replicated parameters split their work over (``None``: the default group).
-        self.process_group = process_group
-        #: The device mesh DTensor parameters must live on (``None``: the one they share).
-        self.device_mesh = device_mesh
-        #: The most bytes of one FSDP2 exchange buffer (`ShardedStep`).
-        self.round_bytes = round_bytes
-        #: The strategy of the last step (``None`` before the first).
-        self.chosen: Strategy | None = None
-        self._chosen_from: tuple[bool, object] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A copy chooses its own strategy (the chosen one holds process groups and buffers).
-        return {**self.__dict__, "chosen": None, "_chosen_from": None}
-
-    def for_step(self, params: Sequence[Tensor], split_ns: bool, stacks: bool) -> Strategy:
-        """The strategy of this step: the last one, unless what it was chosen from changed."""
-        chosen_from = (split_ns, self._default_group())
-        if self.chosen is None or self._chosen_from != chosen_from:
-            self.chosen = choose_strategy(
-                params, split_ns, stacks,
-                process_group=self.process_group, device_mesh=self.device_mesh, round_bytes=self.round_bytes,
-            )
-            self._chosen_from = chosen_from
-        return self.chosen
-
-    def _default_group(self) -> object:
-        """The default process group (``None`` before ``init_process_group``), where the choice depends on it."""
-        if self.process_group is not None or self.device_mesh is not None or not dist.is_available():
-            return None
-        return dist.group.WORLD
-
-    def refusal(self, param: Tensor) -> str | None:
-        """Why ``param`` cannot step under the explicit process group or device mesh, or ``None``."""
-        if self.process_group is not None and is_dtensor(param):
-            return "it is a DTensor, whose work is split over its device mesh: pass device_mesh, not process_group."
-        if self.device_mesh is None:
-            return None
-        if not is_dtensor(param):
-            return "device_mesh is for DTensor parameters (FSDP2, HSDP): pass process_group for replicated ones."
-        mesh = param.device_mesh  # type: ignore[attr-defined]
-        return None if mesh == self.device_mesh else f"it lives on {mesh}, not on device_mesh {self.device_mesh}."
-
-
-def _check_where(process_group: object, device_mesh: object, round_bytes: object) -> None:
-    """Refuse an explicit process group or device mesh that cannot be one, and a bad round size, naming the value."""
-    if process_group is not None and device_mesh is not None:
-        raise ValueError(
-            f"Muon takes a process_group (replicated parameters) or a device_mesh (DTensors), not both: got "
-            f"process_group={process_group!r} and device_mesh={device_mesh!r}"
-        )
-    if process_group is not None:
-        _check_process_group(process_group)
-    if device_mesh is not None:
-        _check_device_mesh(device_mesh)
-    if isinstance(round_bytes, bool) or not isinstance(round_bytes, int) or round_bytes < 1:
-        raise ValueError(f"Invalid exchange_round_bytes: {round_bytes!r} (must be an int >= 1)")
-
-
-def _check_process_group(group: object) -> None:
-    if dist.is_available() and group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError(
-            f"process_group={group!r} is torch.distributed's mark of a group this rank is not in: give the "
-            "optimizer a group that this rank belongs to"
-        )
-    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
-        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {group!r}")
-
-
-def _check_device_mesh(mesh: object) -> None:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got {mesh!r}")
-    if mesh.ndim > 2:
-        raise ValueError(f"device_mesh must be 1-D (FSDP2) or 2-D (HSDP: replicate, then shard), got {mesh!r}")

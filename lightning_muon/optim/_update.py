@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import torch
 from torch import Tensor
 
+from lightning_muon.optim._collectives import ExchangeLayout
 from lightning_muon.optim._dtensor import is_dtensor
 from lightning_muon.optim.groups import (
     batch_cap,
@@ -91,9 +92,28 @@ class Bucket(NamedTuple):
         flops = ns_flops(*self.shape, self.group["ns_steps"], gram=gram, dtype=ns_dtype(self.group))
         return flops * len(self.params) * self.per_param
 
+    @property
+    def exchange_layout(self) -> ExchangeLayout:
+        """What a distributed exchange needs to know of the bucket: one 2D block per parameter (its matrices one
+        under the other), in the group's Newton-Schulz dtype."""
+        m, n = self.shape
+        return ExchangeLayout(len(self.params), (m * self.per_param, n), ns_dtype(self.group))
+
     def local(self) -> Bucket:
         """The bucket on this rank's shards (views: in-place updates reach the DTensors)."""
         return self._replace(params=_locals(self.params), grads=_locals(self.grads), bufs=_locals(self.bufs))
+
+    def subset(self, indices: Sequence[int]) -> Bucket:
+        """The bucket restricted to the parameters at ``indices`` (its group, shape and layout kept); the whole
+        bucket itself when ``indices`` covers it in order."""
+        if list(indices) == list(range(len(self.params))):
+            return self
+        return self._replace(
+            params=[self.params[i] for i in indices],
+            grads=[self.grads[i] for i in indices],
+            bufs=[self.bufs[i] for i in indices],
+            names=[self.names[i] for i in indices],
+        )
 
 
 def _locals(tensors: list[Tensor]) -> list[Tensor]:

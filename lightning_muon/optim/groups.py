@@ -52,6 +52,7 @@ LAYOUTS = ("flatten", "stack", "in_out")
 #: matmuls reach their peak on one matrix of about 1 MiB in bf16, while small matrices gain from batching
 #: (``benchmarks/optimizer_step.py``); accelerators gain at every size (`DEFAULT_BATCH_BYTES_ACCELERATOR`).
 DEFAULT_BATCH_BYTES = {"cpu": 1 << 20}
+#: The same default on every other device type (accelerators): 256 MiB.
 DEFAULT_BATCH_BYTES_ACCELERATOR = 1 << 28
 
 

@@ -33,7 +33,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_muon.optim import groups
-from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES, StrategyChoice
+from lightning_muon.optim._choice import StrategyChoice, StrategyInfo
+from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES
 from lightning_muon.optim._update import Chooser, ParamDiagnostics
 from lightning_muon.optim.groups import ADJUST_LR_FNS, adjust_lr
 from lightning_muon.optim.newton_schulz import (
@@ -325,3 +326,12 @@ class Muon(Optimizer):
         if diagnose is not None:
             self.diagnostics = diagnostics
         return loss
+
+    # ----------------------------------------------------------------- read-out
+
+    @property
+    def strategy(self) -> StrategyInfo | None:
+        """Where the Newton-Schulz work of the last step ran (``None`` before the first step): this process alone,
+        split over DDP ranks, or on FSDP2 / HSDP owner ranks, with the words of the rank-zero line that said it
+        (`StrategyInfo`). Read-only; the same object until the optimizer chooses again."""
+        return self._choice.info

@@ -129,3 +129,27 @@ def test_a_model_without_attention_is_refused_at_fit_start(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=1, callbacks=[QKClip()])
     with pytest.raises(MisconfigurationException, match="QKClip: found no attention module in NotAttention"):
         trainer.fit(NotAttention(), train_dataloaders=_data(1))
+
+
+@pytest.mark.parametrize(("strategy", "warned"), [("ddp", False), ("ddp_subclass", True)])
+def test_several_processes_under_a_strategy_other_than_ddp_itself_are_warned_about(strategy, warned):
+    """DDP (of either Lightning package) is the multi-process strategy QKClip is tested under; its subclasses
+    (DeepSpeed's) are not."""
+    import warnings
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    class Subclass(DDPStrategy):
+        pass
+
+    chosen = DDPStrategy() if strategy == "ddp" else Subclass()
+    trainer = SimpleNamespace(world_size=2, strategy=chosen, log_every_n_steps=1, global_step=0)
+    callback, module = QKClip(tau=100.0), TinyLM("mha")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callback.on_fit_start(trainer, module)
+    callback.teardown(trainer, module, "fit")
+    told = [str(w.message) for w in caught if "QKClip runs under" in str(w.message)]
+    assert told == (["QKClip runs under Subclass: it is tested on one process and under DDP; sharded weights are "
+                     "refused when found."] if warned else [])

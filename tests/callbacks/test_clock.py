@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.callbacks.clock import WallClock, count_tokens
-from lightning_muon.commands.compare import read_metrics
+from lightning_muon.commands.compare.runs import read_metrics
 
 
 def test_count_tokens():

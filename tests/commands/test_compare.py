@@ -10,37 +10,30 @@ import pytest
 import yaml
 
 from lightning_muon.commands.cli import main
-from lightning_muon.commands.compare import (
-    CLOCK,
-    MULTIPLIERS,
-    Progress,
-    Run,
-    Side,
-    SideSpec,
-    SweptLr,
+from lightning_muon.commands.compare.aggregate import Side, edge_notes, outcomes, seeds_table, sweep_table, verdict
+from lightning_muon.commands.compare.fit import CLOCK, fit_arguments, val_check_interval
+from lightning_muon.commands.compare.report import (
     baseline_index,
-    best_lr,
-    edge,
-    edge_notes,
-    fit_arguments,
-    load_run,
-    load_side,
-    lr_grid,
     markdown_report,
-    outcomes,
-    read_metrics,
-    seeds_table,
-    split_overrides,
     steps_to_reach,
     summarize,
-    sweep_table,
-    swept_lr,
     table_cells,
-    tune,
-    val_check_interval,
-    verdict,
 )
-from lightning_muon.commands.compare.sweep import check_multipliers, check_seeds, parse_lrs, side_grid
+from lightning_muon.commands.compare.run import split_overrides
+from lightning_muon.commands.compare.runs import Run, load_run, read_metrics
+from lightning_muon.commands.compare.sweep import (
+    MULTIPLIERS,
+    SweptLr,
+    best_lr,
+    check_multipliers,
+    check_seeds,
+    edge,
+    lr_grid,
+    parse_lrs,
+    side_grid,
+    swept_lr,
+)
+from lightning_muon.commands.compare.tuning import Progress, SideSpec, load_side, tune
 from lightning_muon.commands.config_files import merged_config, shipped_configs
 
 CONFIGS = shipped_configs()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from lightning_muon.commands.cli import main
-from lightning_muon.commands.compare import load_run
+from lightning_muon.commands.compare.runs import load_run
 
 STEPS = 100
 MARGIN = 0.2  # nats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import math
 from collections.abc import Sequence
@@ -13,7 +14,7 @@ from torch import nn
 from torch.optim._muon import _adjust_lr as torch_adjust_lr
 
 from lightning_muon import Muon, ParamDiagnostics, adjust_lr, orthogonality_error, zeropower_via_newtonschulz
-from lightning_muon.optim import _update
+from lightning_muon.optim import StrategyInfo, _update
 from lightning_muon.optim.muon import DEFAULT_GRAM_ASPECT
 from lightning_muon.optim.newton_schulz import gram_newton_schulz
 
@@ -648,16 +649,34 @@ def test_bad_hyperparameters_are_refused(kwargs, error, pattern):
         Muon([torch.zeros(4, 3, requires_grad=True)], **kwargs)
 
 
+def test_the_strategy_says_where_the_work_ran_and_is_read_only():
+    """`Muon.strategy`: ``None`` before the first step, then the path (on one process: alone), one object per
+    choice (the distributed paths: ``tests/test_distributed.py``)."""
+    params = _params(SHAPES)
+    optimizer = Muon(params, lr=LR)
+    assert optimizer.strategy is None
+    _train(optimizer, params, _grads(SHAPES, 2))
+    info = optimizer.strategy
+    assert info == StrategyInfo("local", "Newton-Schulz runs on this process alone", fallback=False, ranks=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        info.kind = "sharded"
+    with pytest.raises(AttributeError):
+        optimizer.strategy = info
+    _train(optimizer, params, _grads(SHAPES, 1))
+    assert optimizer.strategy is info
+
+
 def test_a_copy_keeps_the_settings_and_chooses_its_own_strategy():
     params = _params(SHAPES)
     optimizer = Muon(params, lr=LR, split_ns=False, exchange_round_bytes=1 << 20)
     optimizer.record_diagnostics()
     _train(optimizer, params, _grads(SHAPES, 1))
-    # `_choice`: the strategy choice has no public read-out (no public API change in this step).
-    assert optimizer._choice.chosen is not None and optimizer.diagnostics
+    assert optimizer.strategy is not None and optimizer.diagnostics
     copied = copy.deepcopy(optimizer)
+    # `_choice.round_bytes`: the exchange limit is kept where the strategy is chosen (no public read-out).
     assert copied.split_ns is False and copied._choice.round_bytes == 1 << 20
-    assert copied._choice.chosen is None and copied.diagnostics == [] and copied.last_exchange_bytes == 0
+    assert copied.strategy is None and copied._choice.chosen is None
+    assert copied.diagnostics == [] and copied.last_exchange_bytes == 0
     assert copied.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
 
 

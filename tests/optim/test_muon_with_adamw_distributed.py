@@ -55,7 +55,7 @@ def ddp_run(rank: int) -> dict:
                 opt.zero_grad()
         muon = optimizers[0].muon if name == "single" else optimizers[0]
         results[name] = {"params": [p.detach().clone() for p in model.parameters()],
-                         "path": muon._choice.chosen.description}
+                         "path": muon.strategy.description}
     return results
 
 
@@ -83,7 +83,7 @@ def fsdp2_run(rank: int) -> dict:
                 opt.zero_grad()
         muon = optimizers[0].muon if name == "single" else optimizers[0]
         results[name] = {"params": [p.full_tensor().detach().clone() for p in model.parameters()],
-                         "path": muon._choice.chosen.description}
+                         "path": muon.strategy.description}
     return results
 
 

@@ -17,12 +17,10 @@ from lightning_muon.optim._plan import (
     PlanCache,
     assign_owners,
     balance,
-    exchange_layout,
     exchange_rounds,
     param_exchange_bytes,
     plan_jobs,
     round_bytes,
-    sub_bucket,
 )
 from lightning_muon.optim.groups import DEFAULT_BATCH_BYTES_ACCELERATOR
 
@@ -123,12 +121,12 @@ def test_a_strategy_plans_again_only_when_the_work_changes():
 
 def test_a_sub_bucket_keeps_its_parameters_lists_aligned():
     (bucket,) = accelerator_buckets([(4, 4)] * 5)
-    part = sub_bucket(bucket, [1, 3])
+    part = bucket.subset([1, 3])
     assert part.params == [bucket.params[1], bucket.params[3]]
     assert part.grads == [bucket.grads[1], bucket.grads[3]] and part.bufs == [bucket.bufs[1], bucket.bufs[3]]
     assert len(part.names) == 2 and part.shape == bucket.shape and part.group is bucket.group
-    assert exchange_layout(part).blocks == 2 and part.flops * 5 == bucket.flops * 2
-    assert sub_bucket(bucket, range(5)) is bucket
+    assert part.exchange_layout.blocks == 2 and part.flops * 5 == bucket.flops * 2
+    assert bucket.subset(range(5)) is bucket
 
 
 @pytest.mark.parametrize(
