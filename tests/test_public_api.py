@@ -45,7 +45,7 @@ PUBLIC = {
     ],
     "lightning_muon.routing": [
         "ADAMW", "GraphRoles", "MUON", "Route", "Routing", "find_output_head", "find_output_heads", "route_parameters",
-        "trace_roles", "traced",
+        "trace_roles", "trace_step",
     ],
     "lightning_muon.combined": ["MuonWithAdamW", "merge_state_dicts", "split_state_dict"],
     "lightning_muon.lightning": ["MuonMixin"],
