@@ -26,7 +26,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
-from lightning_muon.optim.groups import group_effective_lrs
+from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
+from lightning_muon.optim.groups import group_effective_lrs, is_count
 from lightning_muon.routing import Routing
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -145,18 +146,15 @@ def from_spec(spec: Any) -> Callable[..., Any] | None:
 #: lightning_muon.Muon with Keller Jordan's settings.
 DEFAULT_MUON: dict = {
     "class_path": "lightning_muon.Muon",
-    "init_args": {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01},
+    "init_args": {"lr": PAIRED_MUON.lr, "momentum": PAIRED_MUON.momentum, "weight_decay": PAIRED_MUON.weight_decay},
 }
 #: AdamW for embeddings, head, norms and biases; fused where the device supports it.
 DEFAULT_ADAMW: dict = {
     "class_path": "torch.optim.AdamW",
-    "init_args": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.0},
+    "init_args": {
+        "lr": PAIRED_ADAMW.lr, "betas": list(PAIRED_ADAMW.betas), "weight_decay": PAIRED_ADAMW.weight_decay
+    },
 }
-
-
-def _is_count(value: Any) -> bool:
-    """An int >= 1 (a bool is not a count)."""
-    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
 
 @dataclass(frozen=True)
@@ -197,7 +195,7 @@ class MuonConfig:
         parent_lr: bool = False,
     ) -> MuonConfig:
         """Validate the mixin's arguments (a `ValueError` naming the bad value and the fix) and resolve them."""
-        if not _is_count(accumulate_grad_batches):
+        if not is_count(accumulate_grad_batches):
             raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
             raise ValueError(f"gradient_clip_val must be > 0 or None, got {gradient_clip_val!r}")
@@ -206,7 +204,7 @@ class MuonConfig:
                 raise ValueError(
                     f"{kind} must be a list of glob patterns, got the string {patterns!r}; write [{patterns!r}]"
                 )
-        if not _is_count(max_consecutive_skips):
+        if not is_count(max_consecutive_skips):
             raise ValueError(
                 f"max_consecutive_skips must be >= 1, got {max_consecutive_skips!r} (a whole number of updates)"
             )
