@@ -17,8 +17,9 @@ every trainable parameter, in this order of precedence:
    stacks of matrices (each orthogonalised on its own) -> Muon, bare token and position tables ->
    AdamW, 2D weights -> Muon, everything smaller -> AdamW.
 
-Frozen parameters go nowhere. The result holds ordinary param groups (with a
-``name`` per group and the parameter names) and a table of every decision.
+Every route says which of these rules decided (`Rule`), and why in words. Frozen parameters go nowhere. The
+result holds ordinary param groups (with a ``name`` per group and the parameter names) and a table of every
+decision.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import fnmatch
 import io
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any
 
 from torch import Tensor, nn
@@ -36,30 +38,34 @@ from torch.nn.parameter import is_lazy
 from lightning_muon.routing import _roles
 from lightning_muon.routing._roles import find_output_heads
 from lightning_muon.routing._trace import GraphRoles, trace_roles, traced
+from lightning_muon.routing._vocabulary import ADAMW, MUON, Algorithm, Rule
 
 __all__ = [
-    "ADAMW", "MUON", "GraphRoles", "Route", "Routing", "find_output_head", "find_output_heads", "route_parameters",
-    "trace_roles", "traced",
+    "ADAMW", "MUON", "Algorithm", "GraphRoles", "Route", "Routing", "Rule", "find_output_head", "find_output_heads",
+    "route_parameters", "trace_roles", "traced",
 ]
 
-MUON = "Muon"
-ADAMW = "AdamW"
-
 #: Group names, in the order the groups are returned.
-_GROUP_ORDER = {MUON: ("hidden",), ADAMW: ("hidden", "embeddings", "input", "head", "norms_and_biases", "other")}
+_GROUP_ORDER = {
+    Algorithm.MUON: ("hidden",),
+    Algorithm.ADAMW: ("hidden", "embeddings", "input", "head", "norms_and_biases", "other"),
+}
 
 
 @dataclass(frozen=True)
 class Route:
-    """One routing decision: where parameter ``name`` goes and why."""
+    """One routing decision: where parameter ``name`` goes, why, and which rule decided."""
 
     name: str
     shape: tuple[int, ...]
-    optimizer: str  # MUON or ADAMW
+    optimizer: Algorithm
     group: str
+    #: Why, in words (for people: no code reads it).
     reason: str
     #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``: see `lightning_muon.Muon`).
     layout: str = "flatten"
+    #: The rule that decided (`Rule`).
+    rule: Rule = field(kw_only=True)
 
     @property
     def numel(self) -> int:
@@ -74,16 +80,18 @@ class Routing:
     params: dict[str, Tensor]
 
     def groups(self, optimizer: str) -> list[dict[str, Any]]:
-        """Param groups for ``optimizer`` (`MUON` or `ADAMW`), non-empty, in a fixed order.
+        """Param groups for ``optimizer`` (an `Algorithm`, or its name: `MUON`, `ADAMW`), non-empty, in a fixed
+        order.
 
         Each group is ``{"name": ..., "params": [(param_name, tensor), ...]}``,
         which every ``torch.optim.Optimizer`` accepts (it keeps the names as
         ``param_names``); a Muon group with stacked or ``in x out`` matrices also has
         ``"matrix_layouts"``, one per parameter.
         """
+        algorithm = Algorithm(optimizer)
         groups: list[dict[str, Any]] = []
-        for group in _GROUP_ORDER[optimizer]:
-            routes = [r for r in self.routes if r.optimizer == optimizer and r.group == group]
+        for group in _GROUP_ORDER[algorithm]:
+            routes = [r for r in self.routes if r.optimizer is algorithm and r.group == group]
             if not routes:
                 continue
             groups.append({"name": group, "params": [(r.name, self.params[r.name]) for r in routes]})
@@ -93,24 +101,26 @@ class Routing:
 
     @property
     def muon_groups(self) -> list[dict[str, Any]]:
-        return self.groups(MUON)
+        return self.groups(Algorithm.MUON)
 
     @property
     def adamw_groups(self) -> list[dict[str, Any]]:
-        return self.groups(ADAMW)
+        return self.groups(Algorithm.ADAMW)
 
     def names(self, optimizer: str) -> list[str]:
         """The names of the parameters routed to ``optimizer``, in group order."""
         return [name for group in self.groups(optimizer) for name, _ in group["params"]]
 
     def _cells(self, effective_lr: Callable[[Route], float | None] | None) -> tuple[list[str], list[list[str]], str]:
-        """The table's header, rows and totals line, as text."""
+        """The table's header, rows and totals line, as text. The reason is followed by the rule that decided,
+        in parentheses, where it does not end with it already (``"... (first batch)"``)."""
         header = ["parameter", "shape", "optimizer", "group", "reason"]
         if effective_lr is not None:
             header.append("effective lr")
         rows = []
         for r in self.routes:
-            row = [r.name, "x".join(map(str, r.shape)) or "scalar", r.optimizer, r.group, r.reason]
+            reason = r.reason if r.reason.endswith(f"({r.rule})") else f"{r.reason} ({r.rule})"
+            row = [r.name, "x".join(map(str, r.shape)) or "scalar", str(r.optimizer), r.group, reason]
             if effective_lr is not None:
                 lr = effective_lr(r)
                 row.append("" if lr is None else f"{lr:.3g}")
@@ -118,12 +128,13 @@ class Routing:
         totals = "; ".join(
             f"{opt}: {sum(r.optimizer == opt for r in self.routes)} tensors, "
             f"{sum(r.numel for r in self.routes if r.optimizer == opt):,} parameters"
-            for opt in (MUON, ADAMW)
+            for opt in Algorithm
         )
         return header, rows, totals
 
     def rich_table(self, effective_lr: Callable[[Route], float | None] | None = None) -> Any:
-        """A ``rich.table.Table`` (rich installed): parameter, shape, optimizer, group, reason (and effective lr)."""
+        """A ``rich.table.Table`` (rich installed): parameter, shape, optimizer, group, reason and rule (and
+        effective lr)."""
         from rich.table import Table
 
         header, rows, totals = self._cells(effective_lr)
@@ -151,7 +162,8 @@ class Routing:
         """The same routes with every Muon parameter on AdamW instead (the ``muon=None`` baseline), so the
         table shows where parameters really go; their group stays ``hidden``."""
         moved = [
-            replace(r, optimizer=ADAMW, reason=f"{r.reason}; {why}", layout="flatten") if r.optimizer == MUON else r
+            replace(r, optimizer=Algorithm.ADAMW, reason=f"{r.reason}; {why}", layout="flatten")
+            if r.optimizer is Algorithm.MUON else r
             for r in self.routes
         ]
         return Routing(routes=moved, params=self.params)
@@ -189,31 +201,76 @@ def _check_patterns(kind: str, patterns: Sequence[str], aliases: dict[str, list[
             )
 
 
-def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool) -> tuple[str, str, str, str]:
-    """``(optimizer, group, reason, layout)`` of a parameter that no user pattern, module type, tie or head
-    decided: by its shape and its module's kind (a conv kernel, a weight stored in x out, a stack of
-    matrices, a bare table)."""
+class Kind(Enum):
+    """What a tensor is, by its layout and shape: what the rules after the layout rule go by."""
+
+    #: A tensor under 2 dimensions named ``...bias``.
+    BIAS = "bias"
+    #: Any other tensor under 2 dimensions (norm weights, scales, scalars).
+    VECTOR = "vector"
+    #: A bare token or position table (``cls_token``, ``pos_embed``).
+    TABLE = "table"
+    #: A convolution's kernel, seen as ``shape[0] x prod(shape[1:])``.
+    KERNEL = "kernel"
+    #: A 2D weight (``out x in``, or ``in x out`` as transformers' ``Conv1D``).
+    MATRIX = "matrix"
+    #: A stack of matrices over the leading dimensions (MoE experts ``E x out x in``).
+    STACK = "stack"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where one parameter goes and why, before it has a name and shape (`Route`)."""
+
+    optimizer: Algorithm
+    group: str
+    #: Why, for people only: no rule reads it.
+    reason: str
+    #: The rule that decided.
+    rule: Rule
+    #: What the tensor is (from the layout rule, kept by the rules that decide before it): rules read this.
+    kind: Kind
+    #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``).
+    layout: str = "flatten"
+
+    def overruled(self, optimizer: Algorithm, group: str, reason: str, rule: Rule, layout: str = "flatten") -> Decision:
+        """The same tensor (its `kind` kept) decided by ``rule`` instead."""
+        return replace(self, optimizer=optimizer, group=group, reason=reason, rule=rule, layout=layout)
+
+
+def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool) -> Decision:
+    """The `Decision` for a parameter that no user pattern, module type, tie or head decided: by its shape and
+    its module's kind (a conv kernel, a weight stored in x out, a stack of matrices, a bare table)."""
     shape = tuple(p.shape)
     own_weight = param_name == "weight" and not isinstance(module, nn.ParameterList | nn.ParameterDict)
     if p.ndim < 2:
-        return ADAMW, "norms_and_biases", "bias" if name.endswith("bias") else f"{p.ndim}D tensor", "flatten"
+        if name.endswith("bias"):
+            return Decision(Algorithm.ADAMW, "norms_and_biases", "bias", Rule.SHAPE, Kind.BIAS)
+        return Decision(Algorithm.ADAMW, "norms_and_biases", f"{p.ndim}D tensor", Rule.SHAPE, Kind.VECTOR)
     if not own_weight and not _roles.is_conv(module) and _roles.is_table(param_name, p):
+        rule = Rule.NAME if _roles.is_table_name(param_name) else Rule.SHAPE
         dims = "x".join(map(str, shape))
-        return ADAMW, "embeddings", f"token or position table ({dims})", "flatten"
+        return Decision(Algorithm.ADAMW, "embeddings", f"token or position table ({dims})", rule, Kind.TABLE)
     if _roles.is_conv(module) and param_name == "weight":
         if not muon_nd:
-            return ADAMW, "other", f"{p.ndim}D tensor and the Muon class is 2D-only", "flatten"
-        return MUON, "hidden", f"{p.ndim}D kernel, orthogonalised as {shape[0]}x{math.prod(shape[1:])}", "flatten"
+            return Decision(Algorithm.ADAMW, "other", _TWO_D_ONLY.format(p.ndim), Rule.SHAPE, Kind.KERNEL)
+        reason = f"{p.ndim}D kernel, orthogonalised as {shape[0]}x{math.prod(shape[1:])}"
+        return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.KERNEL)
     if p.ndim == 2 and _roles.stores_in_out(module, param_name):
         if not muon_nd:  # torch.optim.Muon scales the lr from the stored shape
-            return MUON, "hidden", "hidden matrix stored in x out (torch.optim.Muon scales its lr as stored)", "flatten"
-        return MUON, "hidden", f"hidden matrix stored in x out ({shape[1]}x{shape[0]} out x in)", "in_out"
+            reason = "hidden matrix stored in x out (torch.optim.Muon scales its lr as stored)"
+            return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.MATRIX)
+        reason = f"hidden matrix stored in x out ({shape[1]}x{shape[0]} out x in)"
+        return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.MATRIX, "in_out")
     if p.ndim == 2:
-        return MUON, "hidden", "hidden matrix", "flatten"
+        return Decision(Algorithm.MUON, "hidden", "hidden matrix", Rule.SHAPE, Kind.MATRIX)
     if not muon_nd:
-        return ADAMW, "other", f"{p.ndim}D tensor and the Muon class is 2D-only", "flatten"
-    count = math.prod(shape[:-2])
-    return MUON, "hidden", f"{count} stacked matrices {shape[-2]}x{shape[-1]}, each orthogonalised", "stack"
+        return Decision(Algorithm.ADAMW, "other", _TWO_D_ONLY.format(p.ndim), Rule.SHAPE, Kind.STACK)
+    reason = f"{math.prod(shape[:-2])} stacked matrices {shape[-2]}x{shape[-1]}, each orthogonalised"
+    return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.STACK, "stack")
+
+
+_TWO_D_ONLY = "{}D tensor and the Muon class is 2D-only"
 
 
 @dataclass(frozen=True)
@@ -229,22 +286,26 @@ class _Role:
     is_input: bool
     #: What the first training batch showed: ``"head"``, ``"input"``, ``"hidden"`` or ``None`` (not seen).
     graph: str | None = None
+    #: The rule that found the output head `head` (`Rule.CONVENTION`, `Rule.NAME` or `Rule.STRUCTURE`).
+    head_rule: Rule = Rule.STRUCTURE
 
 
 def _module_of(alias: str) -> str:
     return alias.rsplit(".", 1)[0] if "." in alias else ""
 
 
-def _role(name: str, owners: list[tuple[str, nn.Module]], heads: Sequence[str], input_layer: str | None,
+def _role(name: str, owners: list[tuple[str, nn.Module]], heads: dict[str, Rule], input_layer: str | None,
           graph: GraphRoles | None) -> _Role:
     """The `_Role` of parameter ``name``, owned (under every alias of a tied weight) by ``owners``."""
     own_module = next(mod for alias, mod in owners if alias == name)
+    head = next((_module_of(alias) for alias, _ in owners if _module_of(alias) in heads), None)
     return _Role(
         module=own_module,
         embedding=next((alias for alias, mod in owners if isinstance(mod, _roles.EMBEDDINGS)), None),
-        head=next((_module_of(alias) for alias, _ in owners if _module_of(alias) in heads), None),
+        head=head,
         is_input=name.rsplit(".", 1)[-1] == "weight" and input_layer is not None and _module_of(name) == input_layer,
         graph=None if graph is None else graph.role(name) or _bias_role(name, graph),
+        head_rule=Rule.STRUCTURE if head is None else heads[head],
     )
 
 
@@ -259,11 +320,8 @@ def _matched(patterns: Sequence[str], aliases: Sequence[str]) -> str | None:
     return next((pat for pat in patterns if any(fnmatch.fnmatchcase(a, pat) for a in aliases)), None)
 
 
-_RouteFields = tuple[str, str, str, str]  # optimizer, group, reason, layout
-
-
-def _pattern_route(name: str, p: Tensor, role: _Role, by_layout: _RouteFields, to_muon: str | None,
-                   to_adamw: str | None, muon_nd: bool) -> _RouteFields:
+def _pattern_route(name: str, p: Tensor, role: _Role, by_layout: Decision, to_muon: str | None,
+                   to_adamw: str | None, muon_nd: bool) -> Decision:
     """Precedence 1: a user pattern decides (both matching, or a tensor Muon cannot take, is an error)."""
     if to_muon and to_adamw:
         raise ValueError(
@@ -277,49 +335,55 @@ def _pattern_route(name: str, p: Tensor, role: _Role, by_layout: _RouteFields, t
                 f"muon_params pattern {to_muon!r} matches `{name}` of shape {tuple(p.shape)}, but Muon needs "
                 f"{need} dimensions; narrow the pattern"
             )
-        optimizer, _, _, layout = by_layout
-        if optimizer != MUON:  # a table forced onto Muon: a matrix, or a stack of them
+        layout = by_layout.layout
+        if by_layout.optimizer is not Algorithm.MUON:  # a table forced onto Muon: a matrix, or a stack of them
             layout = "stack" if p.ndim > 2 else "flatten"
-        return MUON, "hidden", f"matches muon_params {to_muon!r}", layout
+        return by_layout.overruled(Algorithm.MUON, "hidden", f"matches muon_params {to_muon!r}", Rule.PATTERN, layout)
     group = "other" if p.ndim >= 2 else "norms_and_biases"
     group = "embeddings" if role.embedding else "head" if role.head else "input" if role.is_input else group
-    return ADAMW, group, f"matches adamw_params {to_adamw!r}", "flatten"
+    return by_layout.overruled(Algorithm.ADAMW, group, f"matches adamw_params {to_adamw!r}", Rule.PATTERN)
 
 
-def _role_route(role: _Role, by_layout: _RouteFields) -> _RouteFields | None:
+def _role_route(role: _Role, by_layout: Decision) -> Decision | None:
     """Precedence 2-6: module type, a tie to an embedding, what the first batch showed (for matrices), the
     output head, the input layer; None if no role decides."""
     module = role.module
     if isinstance(module, _roles.EMBEDDINGS):
-        return ADAMW, "embeddings", f"{type(module).__name__} weight", "flatten"
+        return by_layout.overruled(Algorithm.ADAMW, "embeddings", f"{type(module).__name__} weight", Rule.MODULE_TYPE)
     if _roles.is_norm(module):
-        return ADAMW, "norms_and_biases", f"norm layer ({type(module).__name__})", "flatten"
+        reason = f"norm layer ({type(module).__name__})"
+        return by_layout.overruled(Algorithm.ADAMW, "norms_and_biases", reason, Rule.MODULE_TYPE)
     if role.embedding:
-        return ADAMW, "embeddings", f"tied to embedding `{role.embedding}`", "flatten"
-    if role.graph is not None and by_layout[0] == MUON:  # a matrix: the batch decides (tables stay tables)
+        return by_layout.overruled(Algorithm.ADAMW, "embeddings", f"tied to embedding `{role.embedding}`", Rule.TIE)
+    if role.graph is not None and by_layout.optimizer is Algorithm.MUON:  # a matrix: the batch decides (not tables)
         return _graph_route(role, by_layout)
-    if role.graph is not None and by_layout[2] == "bias":  # a bias goes where its layer's weight goes
-        return (ADAMW, "head", "output head's bias (first batch)", "flatten") if role.graph == "head" else by_layout
+    if role.graph is not None and by_layout.kind is Kind.BIAS:  # a bias goes where its layer's weight goes
+        if role.graph != "head":
+            return by_layout
+        return by_layout.overruled(Algorithm.ADAMW, "head", "output head's bias (first batch)", Rule.FIRST_BATCH)
     if role.head:
-        return ADAMW, "head", f"output head `{role.head}`", "flatten"
+        return by_layout.overruled(Algorithm.ADAMW, "head", f"output head `{role.head}`", role.head_rule)
     if role.is_input:
         channels = getattr(module, "in_channels", "?")
         plural = "" if channels == 1 else "s"
-        return ADAMW, "input", f"input layer ({type(module).__name__} on {channels} input channel{plural})", "flatten"
+        reason = f"input layer ({type(module).__name__} on {channels} input channel{plural})"
+        return by_layout.overruled(Algorithm.ADAMW, "input", reason, Rule.STRUCTURE)
     return None
 
 
-def _graph_route(role: _Role, by_layout: _RouteFields) -> _RouteFields:
+def _graph_route(role: _Role, by_layout: Decision) -> Decision:
     """A matrix's route from what the first training batch showed (`GraphRoles`)."""
     if role.graph == "head":
-        return ADAMW, "head", "output head: feeds the loss through no other matrix (first batch)", "flatten"
+        reason = "output head: feeds the loss through no other matrix (first batch)"
+        return by_layout.overruled(Algorithm.ADAMW, "head", reason, Rule.FIRST_BATCH)
     if role.graph == "input":
-        return ADAMW, "input", "input layer: reads the batch through no other matrix (first batch)", "flatten"
-    optimizer, group, reason, layout = by_layout
+        reason = "input layer: reads the batch through no other matrix (first batch)"
+        return by_layout.overruled(Algorithm.ADAMW, "input", reason, Rule.FIRST_BATCH)
     overruled = "output head" if role.head else "input layer" if role.is_input else None
     if overruled:  # the structural rules guessed a role the computation does not have
-        reason = f"{reason}; not the {overruled} its name or place suggests (first batch)"
-    return optimizer, group, reason, layout
+        reason = f"{by_layout.reason}; not the {overruled} its name or place suggests (first batch)"
+        return replace(by_layout, reason=reason, rule=Rule.FIRST_BATCH)
+    return by_layout
 
 
 def route_parameters(
@@ -330,7 +394,7 @@ def route_parameters(
     muon_nd: bool = True,
     graph: GraphRoles | None = None,
 ) -> Routing:
-    """Decide Muon or AdamW for every trainable parameter of ``module``, with a reason.
+    """Decide Muon or AdamW for every trainable parameter of ``module``, with a reason and the rule that decided.
 
     Args:
         module: the model.
@@ -364,7 +428,7 @@ def route_parameters(
     aliases = {name: [alias for alias, _ in owners[id(p)]] for name, p in trainable.items()}
     _check_patterns("muon_params", muon_params, aliases)
     _check_patterns("adamw_params", adamw_params, aliases)
-    heads = find_output_heads(module)
+    heads = _roles.output_heads(module)
     input_layer = _roles.find_input_layer(module)
 
     routes = []
@@ -373,10 +437,11 @@ def route_parameters(
         to_muon, to_adamw = (_matched(patterns, aliases[name]) for patterns in (muon_params, adamw_params))
         by_layout = _layout_route(name, p, role.module, name.rsplit(".", 1)[-1], muon_nd)
         if to_muon or to_adamw:
-            route = _pattern_route(name, p, role, by_layout, to_muon, to_adamw, muon_nd)
+            decision = _pattern_route(name, p, role, by_layout, to_muon, to_adamw, muon_nd)
         else:
-            route = _role_route(role, by_layout) or by_layout
-        routes.append(Route(name, tuple(p.shape), *route))
+            decision = _role_route(role, by_layout) or by_layout
+        routes.append(Route(name, tuple(p.shape), decision.optimizer, decision.group, decision.reason,
+                            decision.layout, rule=decision.rule))
 
     routed = [r.name for r in routes]
     if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's
