@@ -23,9 +23,7 @@ from torch.optim import AdamW, Optimizer
 from lightning_muon.combined.state import ADAMW, ALGORITHMS, MUON, merge_state_dicts, split_state_dict
 from lightning_muon.optim import Muon
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
-from lightning_muon.routing import ADAMW as ROUTED_ADAMW
-from lightning_muon.routing import MUON as ROUTED_MUON
-from lightning_muon.routing import Routing, route_parameters
+from lightning_muon.routing import Algorithm, Routing, route_parameters
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -272,8 +270,7 @@ def _groups(
         return [dict(g) for g in groups], None
     if not routing.routes:
         raise ValueError("optimizer got an empty parameter list (the model has no trainable parameter)")
-    groups = [{**g, "algorithm": MUON} for g in routing.groups(ROUTED_MUON)]
-    groups += [{**g, "algorithm": ADAMW} for g in routing.groups(ROUTED_ADAMW)]
+    groups = [{**g, "algorithm": algorithm.key} for algorithm in Algorithm for g in routing.groups(algorithm)]
     return groups, routing
 
 

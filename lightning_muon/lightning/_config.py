@@ -19,7 +19,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
 from lightning_muon.optim.groups import group_effective_lrs, is_count
-from lightning_muon.routing import Routing
+from lightning_muon.routing import Algorithm, Routing
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -241,15 +241,20 @@ class MuonConfig:
         """The class the Muon factory builds, where that can be known without calling it."""
         return target_class(self.muon_factory)
 
-    def build(self, which: str, groups: list[dict[str, Any]], **kwargs: Any) -> torch.optim.Optimizer:
-        """Call the ``"muon"`` or ``"adamw"`` factory; a bad setting is reported with the argument it came from."""
-        factory = self.muon_factory if which == "muon" else self.adamw_factory
-        assert factory is not None, f"no {which} factory"
+    def build(
+        self, which: Algorithm | Literal["muon", "adamw"], groups: list[dict[str, Any]], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """Call the Muon or the AdamW factory (``which``: an `Algorithm`, or its key ``"muon"``/``"adamw"``, the
+        mixin's argument); a bad setting is reported with the argument it came from."""
+        algorithm = which if isinstance(which, Algorithm) else Algorithm.from_key(which)
+        muon = algorithm is Algorithm.MUON
+        factory = self.muon_factory if muon else self.adamw_factory
+        assert factory is not None, f"no {algorithm} factory"
         try:
             return factory(groups, **kwargs)
         except (ValueError, TypeError) as error:
-            spec = self.muon if which == "muon" else self.adamw
-            raise ValueError(f"MuonMixin could not build the `{which}` optimizer ({spec}): {error}") from error
+            spec = self.muon if muon else self.adamw
+            raise ValueError(f"MuonMixin could not build the `{algorithm.key}` optimizer ({spec}): {error}") from error
 
     def build_adamw(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The AdamW optimizer; torch's AdamW fused where every parameter's device supports it (several
@@ -258,8 +263,8 @@ class MuonConfig:
         if target_class(factory) is torch.optim.AdamW and getattr(factory, "keywords", {}).get("fused") is None:
             params = [p for g in groups for _, p in g["params"]]
             if all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params):
-                return self.build("adamw", groups, fused=True)
-        return self.build("adamw", groups)
+                return self.build(Algorithm.ADAMW, groups, fused=True)
+        return self.build(Algorithm.ADAMW, groups)
 
     def effective_lrs(self, routing: Routing) -> dict[str, float]:
         """The learning rate each routed parameter will start with, by name (Muon's after the shape
@@ -267,9 +272,9 @@ class MuonConfig:
         parameters really go (`MuonMixin.muon_routing`: all on AdamW for ``muon=None``)."""
         lrs: dict[str, float] = {}
         if routing.muon_groups:
-            for group in self.build("muon", routing.muon_groups).param_groups:
+            for group in self.build(Algorithm.MUON, routing.muon_groups).param_groups:
                 lrs.update(zip(group["param_names"], group_effective_lrs(group), strict=True))
-        for group in self.build("adamw", routing.adamw_groups).param_groups:
+        for group in self.build(Algorithm.ADAMW, routing.adamw_groups).param_groups:
             for name in group["param_names"]:
                 lrs[name] = float(group["lr"])
         return lrs
