@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
 from lightning_muon.optim.groups import group_effective_lrs, is_count
-from lightning_muon.routing import Algorithm, Routing
+from lightning_muon.routing import Algorithm, Routing, check_pattern_list
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -199,11 +199,8 @@ class MuonConfig:
             raise ValueError(f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}")
         if gradient_clip_val is not None and not gradient_clip_val > 0:
             raise ValueError(f"gradient_clip_val must be > 0 or None, got {gradient_clip_val!r}")
-        for kind, patterns in (("muon_params", muon_params), ("adamw_params", adamw_params)):
-            if isinstance(patterns, str):
-                raise ValueError(
-                    f"{kind} must be a list of glob patterns, got the string {patterns!r}; write [{patterns!r}]"
-                )
+        check_pattern_list("muon_params", muon_params)
+        check_pattern_list("adamw_params", adamw_params)
         if not is_count(max_consecutive_skips):
             raise ValueError(
                 f"max_consecutive_skips must be >= 1, got {max_consecutive_skips!r} (a whole number of updates)"
