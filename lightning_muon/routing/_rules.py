@@ -71,7 +71,7 @@ class Decision:
     reason: str
     #: The rule that decided.
     rule: Rule
-    #: What the tensor is (from the layout rule, kept by the rules that decide before it): rules read this.
+    #: What the tensor is (the layout rule's verdict, kept by every rule that overrules it): rules read this.
     kind: Kind
     #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``).
     layout: str = "flatten"
@@ -79,6 +79,13 @@ class Decision:
     def overruled(self, optimizer: Algorithm, group: str, reason: str, rule: Rule, layout: str = "flatten") -> Decision:
         """The same tensor (its `kind` kept) decided by ``rule`` instead."""
         return replace(self, optimizer=optimizer, group=group, reason=reason, rule=rule, layout=layout)
+
+    def route(self, name: str, shape: tuple[int, ...]) -> Route:
+        """This decision as parameter ``name``'s `Route`."""
+        return Route(name, shape, self.optimizer, self.group, self.reason, self.layout, rule=self.rule)
+
+
+_TWO_D_ONLY = "{}D tensor and the Muon class is 2D-only"
 
 
 def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool) -> Decision:
@@ -111,9 +118,6 @@ def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon
         return Decision(Algorithm.ADAMW, "other", _TWO_D_ONLY.format(p.ndim), Rule.SHAPE, Kind.STACK)
     reason = f"{math.prod(shape[:-2])} stacked matrices {shape[-2]}x{shape[-1]}, each orthogonalised"
     return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.STACK, "stack")
-
-
-_TWO_D_ONLY = "{}D tensor and the Muon class is 2D-only"
 
 
 @dataclass(frozen=True)
@@ -283,8 +287,7 @@ def route_parameters(
             decision = _pattern_route(name, p, role, by_layout, to_muon, to_adamw, muon_nd)
         else:
             decision = _role_route(role, by_layout) or by_layout
-        routes.append(Route(name, tuple(p.shape), decision.optimizer, decision.group, decision.reason,
-                            decision.layout, rule=decision.rule))
+        routes.append(decision.route(name, tuple(p.shape)))
 
     routed = [r.name for r in routes]
     if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's
