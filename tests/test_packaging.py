@@ -179,7 +179,8 @@ def test_without_rich_the_routing_table_is_plain_text(monkeypatch):
     text = routing.render(lambda route: 0.02)
     lines = text.splitlines()
     assert lines[0] == "lightning_muon routing"
-    assert lines[1].split() == ["parameter", "shape", "optimizer", "group", "reason", "effective", "lr"]
+    assert lines[1].split() == ["parameter", "shape", "optimizer", "group", "reason", "rule", "effective", "lr"]
+    assert lines[-2] == "Output heads and input layers: from names and structure (no training batch seen)."
     assert any(line.startswith("2.weight") and " Muon " in line and line.endswith("0.02") for line in lines)
     assert lines[-1].startswith("Muon: 2 tensors")
     assert "│" not in text

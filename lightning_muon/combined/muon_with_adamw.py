@@ -22,11 +22,8 @@ from torch.optim import AdamW, Optimizer
 
 from lightning_muon.combined.state import ADAMW, ALGORITHMS, MUON, merge_state_dicts, split_state_dict
 from lightning_muon.optim import Muon
-from lightning_muon.optim.muon import DEFAULT_GRAM_ASPECT, EXCHANGE_ROUND_BYTES
-from lightning_muon.optim.newton_schulz import DEFAULT_EPS, DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS
-from lightning_muon.routing import ADAMW as ROUTED_ADAMW
-from lightning_muon.routing import MUON as ROUTED_MUON
-from lightning_muon.routing import Routing, route_parameters
+from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
+from lightning_muon.routing import Algorithm, Routing, route_parameters
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -51,8 +48,8 @@ class MuonWithAdamW(Optimizer):
     (``lr``, ``betas``, ``eps``, ``weight_decay``, ...). A group's own values win over the constructor's;
     other keys (``name``, ``param_names``) are kept. The constructor's Muon arguments are `Muon`'s, with its
     names; AdamW's carry an ``adamw_`` prefix (``adamw_lr``), except ``foreach`` and ``fused``, which only
-    AdamW has. The defaults are `lightning_muon.MuonMixin`'s (Muon ``lr=0.02, momentum=0.95,
-    weight_decay=0.01``; AdamW ``lr=3e-4, betas=(0.9, 0.95), weight_decay=0``).
+    AdamW has. The defaults are `lightning_muon.MuonMixin`'s, from one table (`lightning_muon.optim.defaults`:
+    Muon ``lr=0.02, momentum=0.95, weight_decay=0.01``; AdamW ``lr=3e-4, betas=(0.9, 0.95), weight_decay=0``).
 
     Inside, a `Muon` and a ``torch.optim.AdamW`` share this optimizer's param-group dicts and ``state``
     (`muon` and `adamw` return them: ``opt.muon.record_diagnostics()``, ``opt.muon.effective_lr(p)``).
@@ -82,29 +79,29 @@ class MuonWithAdamW(Optimizer):
     def __init__(
         self,
         params: nn.Module | Routing | Iterable[dict[str, Any]],
-        lr: float | Tensor = 0.02,
-        weight_decay: float = 0.01,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] | str = DEFAULT_NS_COEFFICIENTS,
-        eps: float = DEFAULT_EPS,
-        ns_steps: int = DEFAULT_NS_STEPS,
-        adjust_lr_fn: str | None = None,
+        lr: float | Tensor = PAIRED_MUON.lr,
+        weight_decay: float = PAIRED_MUON.weight_decay,
+        momentum: float = PAIRED_MUON.momentum,
+        nesterov: bool = PAIRED_MUON.nesterov,
+        ns_coefficients: tuple[float, float, float] | str = PAIRED_MUON.ns_coefficients,
+        eps: float = PAIRED_MUON.eps,
+        ns_steps: int = PAIRED_MUON.ns_steps,
+        adjust_lr_fn: str | None = PAIRED_MUON.adjust_lr_fn,
         *,
-        adamw_lr: float | Tensor = 3e-4,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float = 0.0,
-        adamw_amsgrad: bool = False,
+        adamw_lr: float | Tensor = PAIRED_ADAMW.lr,
+        adamw_betas: tuple[float, float] = PAIRED_ADAMW.betas,
+        adamw_eps: float = PAIRED_ADAMW.eps,
+        adamw_weight_decay: float = PAIRED_ADAMW.weight_decay,
+        adamw_amsgrad: bool = PAIRED_ADAMW.amsgrad,
         foreach: bool | None = None,
         fused: bool | None = None,
-        ns_dtype: torch.dtype | str = torch.bfloat16,
-        ns_batch_bytes: int | None = None,
-        ns_gram_aspect: float | None = DEFAULT_GRAM_ASPECT,
-        split_ns: bool = True,
+        ns_dtype: torch.dtype | str = PAIRED_MUON.ns_dtype,
+        ns_batch_bytes: int | None = PAIRED_MUON.ns_batch_bytes,
+        ns_gram_aspect: float | None = PAIRED_MUON.ns_gram_aspect,
+        split_ns: bool = PAIRED_MUON.split_ns,
         process_group: ProcessGroup | None = None,
         device_mesh: DeviceMesh | None = None,
-        exchange_round_bytes: int = EXCHANGE_ROUND_BYTES,
+        exchange_round_bytes: int = PAIRED_MUON.exchange_round_bytes,
         muon_params: Sequence[str] = (),
         adamw_params: Sequence[str] = (),
     ) -> None:
@@ -273,8 +270,7 @@ def _groups(
         return [dict(g) for g in groups], None
     if not routing.routes:
         raise ValueError("optimizer got an empty parameter list (the model has no trainable parameter)")
-    groups = [{**g, "algorithm": MUON} for g in routing.groups(ROUTED_MUON)]
-    groups += [{**g, "algorithm": ADAMW} for g in routing.groups(ROUTED_ADAMW)]
+    groups = [{**g, "algorithm": algorithm.key} for algorithm in Algorithm for g in routing.groups(algorithm)]
     return groups, routing
 
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_muon.routing import Algorithm
+
 __all__ = ["ADAMW", "ALGORITHMS", "MUON", "merge_state_dicts", "split_state_dict"]
 
-MUON = "muon"
-ADAMW = "adamw"
+#: A `MuonWithAdamW` param group's ``algorithm``: the `lightning_muon.routing.Algorithm`'s lower-case key.
+MUON = Algorithm.MUON.key
+ADAMW = Algorithm.ADAMW.key
 #: The values of a `MuonWithAdamW` param group's ``algorithm``.
-ALGORITHMS = (MUON, ADAMW)
+ALGORITHMS = tuple(algorithm.key for algorithm in Algorithm)
 
 
 def _renumbered(groups: list[dict[str, Any]], state: dict[Any, Any], start: int) -> tuple[list[dict], dict, int]:

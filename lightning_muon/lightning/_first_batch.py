@@ -27,7 +27,7 @@ from torch import nn
 
 from lightning_muon.lightning._checkpoint import CHECKPOINT_KEY
 from lightning_muon.optim.muon import Muon
-from lightning_muon.routing import ADAMW, MUON, GraphRoles, Routing, route_parameters
+from lightning_muon.routing import ADAMW, MUON, Algorithm, GraphRoles, Routing, route_parameters
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -123,7 +123,7 @@ def correct_optimizers(trainer: pl.Trainer, routing: Routing, config: MuonConfig
                 "them with MuonMixin(muon_params=[...]) or adamw_params=[...] (or use muon=None for AdamW alone)."
             )
     for optimizer, algorithm in zip(optimizers, algorithms, strict=True):
-        build = config.build_adamw if algorithm == ADAMW else functools.partial(config.build, "muon")
+        build = config.build_adamw if algorithm == ADAMW else functools.partial(config.build, Algorithm.MUON)
         optimizer.param_groups[:] = build(groups[algorithm]).param_groups if groups[algorithm] else []
     if config.lr_scheduler_factory is None:
         return

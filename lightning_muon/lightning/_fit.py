@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_muon.lightning import _checkpoint, _checks, _compat, _first_batch
 from lightning_muon.lightning._config import MuonConfig
 from lightning_muon.lightning._update_loop import UpdateSettings, loss_in
-from lightning_muon.routing import ADAMW, MUON, GraphRoles, Routing, trace_step
+from lightning_muon.routing import ADAMW, MUON, Algorithm, GraphRoles, Routing, trace_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -196,7 +196,7 @@ def build_optimizers(module: LightningModule, routing: Routing,
     rank_zero_info("\n" + routing.render())
     built: dict[str, Optimizer] = {}
     if routing.muon_groups:
-        built[MUON] = config.build("muon", routing.muon_groups)
+        built[MUON] = config.build(Algorithm.MUON, routing.muon_groups)
     elif config.muon_enabled:
         rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")
     if routing.adamw_groups:

@@ -27,6 +27,7 @@ __all__ = [
     "fan_shape",
     "group_effective_lr",
     "group_effective_lrs",
+    "is_count",
     "layouts_of",
     "lr_value",
     "matrices_in",
@@ -54,6 +55,11 @@ LAYOUTS = ("flatten", "stack", "in_out")
 DEFAULT_BATCH_BYTES = {"cpu": 1 << 20}
 #: The same default on every other device type (accelerators): 256 MiB.
 DEFAULT_BATCH_BYTES_ACCELERATOR = 1 << 28
+
+
+def is_count(value: object, minimum: int = 1) -> bool:
+    """Whether ``value`` is an int of at least ``minimum`` (a bool is not a count): steps, bytes, batches."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:

@@ -36,13 +36,9 @@ from lightning_muon.optim import groups
 from lightning_muon.optim._choice import StrategyChoice, StrategyInfo
 from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES
 from lightning_muon.optim._update import Chooser, ParamDiagnostics
-from lightning_muon.optim.groups import ADJUST_LR_FNS, adjust_lr
-from lightning_muon.optim.newton_schulz import (
-    DEFAULT_EPS,
-    DEFAULT_NS_COEFFICIENTS,
-    DEFAULT_NS_STEPS,
-    NS_COEFFICIENT_SCHEDULES,
-)
+from lightning_muon.optim.defaults import DEFAULT_GRAM_ASPECT, MUON_CLASS
+from lightning_muon.optim.groups import ADJUST_LR_FNS, adjust_lr, is_count
+from lightning_muon.optim.newton_schulz import NS_COEFFICIENT_SCHEDULES
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -50,19 +46,12 @@ if TYPE_CHECKING:
 
 __all__ = ["ADJUST_LR_FNS", "DEFAULT_GRAM_ASPECT", "EXCHANGE_ROUND_BYTES", "Muon", "ParamDiagnostics", "adjust_lr"]
 
-#: Matrices at least this many times longer than wide go through Gram Newton-Schulz by default: from 3:1 on
-#: it measured faster at every size (0.73-0.90x the standard iteration's time at 3:1, 0.53-0.70x at 9:1; at 2:1
-#: 0.86-1.00x), by the sweep of benchmarks/optimizer_step.py (bf16, CPU); the iteration's result is the same.
-DEFAULT_GRAM_ASPECT = 3.0
-
 #: Param group keys ``torch.optim.Muon`` does not have, with the value a group saved without them gets.
 _OWN_GROUP_KEYS: dict[str, Any] = {
-    "ns_dtype": "bfloat16", "ns_batch_bytes": None, "ns_gram_aspect": DEFAULT_GRAM_ASPECT
+    "ns_dtype": groups.dtype_name(MUON_CLASS.ns_dtype),
+    "ns_batch_bytes": MUON_CLASS.ns_batch_bytes,
+    "ns_gram_aspect": MUON_CLASS.ns_gram_aspect,
 }
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
@@ -93,18 +82,20 @@ _CHECKS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "ns_gram_aspect": (
         "ns_gram_aspect", lambda v: v is None or (_is_number(v) and v >= 1), "must be None or a number >= 1"
     ),
-    "ns_steps": ("ns_steps", lambda v: _is_int(v) and 1 <= v < 100, "must be an int in [1, 100); the default is 5"),
+    "ns_steps": ("ns_steps", lambda v: is_count(v) and v < 100, "must be an int in [1, 100); the default is 5"),
     "ns_dtype": (
         "ns_dtype",
         lambda v: isinstance(v, torch.dtype) and v.is_floating_point,
         "must be a floating dtype, e.g. torch.bfloat16",
     ),
-    "ns_batch_bytes": ("ns_batch_bytes", lambda v: v is None or (_is_int(v) and v >= 0), "must be None or an int >= 0"),
+    "ns_batch_bytes": ("ns_batch_bytes", lambda v: v is None or is_count(v, minimum=0), "must be None or an int >= 0"),
 }
 
 
-def _checked_arguments(arguments: dict[str, Any]) -> torch.dtype:
-    """Refuse bad constructor arguments (`_CHECKS`, quoting the value); the Newton-Schulz dtype."""
+def _group_defaults(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The constructor's group settings, checked (`_CHECKS`, quoting a bad value), as param groups keep them:
+    ``ns_coefficients`` a tuple or a schedule's name, ``ns_dtype`` by name (torch.distributed.checkpoint cannot
+    save a ``torch.dtype`` in param groups)."""
     lr = arguments["lr"]
     if isinstance(lr, Tensor) and lr.numel() != 1:
         raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
@@ -115,7 +106,12 @@ def _checked_arguments(arguments: dict[str, Any]) -> torch.dtype:
         value = ns_dtype if name == "ns_dtype" else arguments[name]
         if not valid(value):
             raise ValueError(f"Invalid {what}: {value!r} ({must})")
-    return ns_dtype
+    coefficients = arguments["ns_coefficients"]
+    return {
+        **arguments,
+        "ns_coefficients": coefficients if isinstance(coefficients, str) else tuple(coefficients),
+        "ns_dtype": groups.dtype_name(ns_dtype),
+    }
 
 
 def _refusal(p: Tensor, layout: str) -> str | None:
@@ -190,42 +186,28 @@ class Muon(Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[tuple[str, Tensor]] | Iterable[dict[str, Any]],
-        lr: float | Tensor = 1e-3,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        ns_coefficients: tuple[float, float, float] | str = DEFAULT_NS_COEFFICIENTS,
-        eps: float = DEFAULT_EPS,
-        ns_steps: int = DEFAULT_NS_STEPS,
-        adjust_lr_fn: str | None = None,
+        lr: float | Tensor = MUON_CLASS.lr,
+        weight_decay: float = MUON_CLASS.weight_decay,
+        momentum: float = MUON_CLASS.momentum,
+        nesterov: bool = MUON_CLASS.nesterov,
+        ns_coefficients: tuple[float, float, float] | str = MUON_CLASS.ns_coefficients,
+        eps: float = MUON_CLASS.eps,
+        ns_steps: int = MUON_CLASS.ns_steps,
+        adjust_lr_fn: str | None = MUON_CLASS.adjust_lr_fn,
         *,
-        ns_dtype: torch.dtype | str = torch.bfloat16,
-        ns_batch_bytes: int | None = None,
-        ns_gram_aspect: float | None = DEFAULT_GRAM_ASPECT,
-        split_ns: bool = True,
+        ns_dtype: torch.dtype | str = MUON_CLASS.ns_dtype,
+        ns_batch_bytes: int | None = MUON_CLASS.ns_batch_bytes,
+        ns_gram_aspect: float | None = MUON_CLASS.ns_gram_aspect,
+        split_ns: bool = MUON_CLASS.split_ns,
         process_group: ProcessGroup | None = None,
         device_mesh: DeviceMesh | None = None,
-        exchange_round_bytes: int = EXCHANGE_ROUND_BYTES,
+        exchange_round_bytes: int = MUON_CLASS.exchange_round_bytes,
     ) -> None:
-        ns_dtype = _checked_arguments({
-            "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "eps": eps, "adjust_lr_fn": adjust_lr_fn,
-            "ns_coefficients": ns_coefficients, "ns_steps": ns_steps, "ns_dtype": ns_dtype,
-            "ns_batch_bytes": ns_batch_bytes, "ns_gram_aspect": ns_gram_aspect,
+        defaults = _group_defaults({
+            "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
+            "ns_dtype": ns_dtype, "ns_batch_bytes": ns_batch_bytes, "ns_gram_aspect": ns_gram_aspect,
         })
-        defaults = {
-            "lr": lr,
-            "weight_decay": weight_decay,
-            "momentum": momentum,
-            "nesterov": nesterov,
-            "ns_coefficients": ns_coefficients if isinstance(ns_coefficients, str) else tuple(ns_coefficients),
-            "eps": eps,
-            "ns_steps": ns_steps,
-            "adjust_lr_fn": adjust_lr_fn,
-            # Kept by name: torch.distributed.checkpoint cannot save a torch.dtype in param groups.
-            "ns_dtype": groups.dtype_name(ns_dtype),
-            "ns_batch_bytes": ns_batch_bytes,
-            "ns_gram_aspect": ns_gram_aspect,
-        }
         #: Split the Newton-Schulz work across ranks: under DDP each rank orthogonalises a share of the
         #: matrices (results all-gathered); under FSDP2 each matrix is orthogonalised on one owner rank.
         self.split_ns = split_ns

@@ -12,6 +12,8 @@ import re
 
 from torch import Tensor, nn
 
+from lightning_muon.routing._vocabulary import Rule
+
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 
@@ -48,9 +50,15 @@ def stores_in_out(module: nn.Module, param_name: str) -> bool:
 
 
 def is_table(param_name: str, param: Tensor) -> bool:
-    """A bare parameter that is a token or a position table (``cls_token``, ``pos_embed``, ...)."""
+    """A bare parameter that is a token or a position table (``cls_token``, ``pos_embed``, ...): by its name
+    (`is_table_name`), or a stack with a singleton matrix dimension."""
     singleton = param.ndim >= 2 and 1 in param.shape[-2:]
-    return _TABLE_NAME.search(param_name) is not None or (param.ndim > 2 and singleton)
+    return is_table_name(param_name) or (param.ndim > 2 and singleton)
+
+
+def is_table_name(param_name: str) -> bool:
+    """A bare parameter's name that says it is a token or a position table (``cls_token``, ``pos_embed``)."""
+    return _TABLE_NAME.search(param_name) is not None
 
 
 def in_repeated_block(name: str, modules: dict[str, nn.Module]) -> bool:
@@ -81,9 +89,10 @@ def _name_of(target: nn.Module, modules: dict[str, nn.Module]) -> str | None:
     return next((name for name, m in modules.items() if m is target and name), None)
 
 
-def _conventional_heads(module: nn.Module, modules: dict[str, nn.Module]) -> list[str]:
-    """Heads the model names itself (``get_output_embeddings``, ``get_classifier``) or by a head's name."""
-    heads = []
+def _conventional_heads(module: nn.Module, modules: dict[str, nn.Module]) -> dict[str, Rule]:
+    """Heads the model names itself (``get_output_embeddings``, ``get_classifier``: `Rule.CONVENTION`) or by a
+    head's name (`Rule.NAME`), with the rule that found each first."""
+    heads: dict[str, Rule] = {}
     for getter in ("get_output_embeddings", "get_classifier"):
         try:
             found = getattr(module, getter)() if callable(getattr(module, getter, None)) else None
@@ -91,18 +100,18 @@ def _conventional_heads(module: nn.Module, modules: dict[str, nn.Module]) -> lis
             found = None
         name = _name_of(found, modules) if isinstance(found, nn.Module) else None
         if name is not None:
-            heads.append(name)
+            heads.setdefault(name, Rule.CONVENTION)
     for name, m in modules.items():
         if not name or name.rsplit(".", 1)[-1] not in HEAD_NAMES or in_repeated_block(name, modules):
             continue
         if isinstance(m, nn.Linear):
-            heads.append(name)
+            heads.setdefault(name, Rule.NAME)
         elif name.rsplit(".", 1)[-1] in HEAD_CONTAINER_NAMES and not isinstance(m, EMBEDDINGS) and not is_norm(m):
             inner = [f"{name}.{n}" for n, c in m.named_modules() if n and isinstance(c, nn.Linear)]
             inner = [n for n in inner if not _in_attention(n, modules)]
             if inner:
-                heads.append(inner[-1])
-    return [h for h in dict.fromkeys(heads) if not _in_attention(h, modules)]
+                heads.setdefault(inner[-1], Rule.NAME)
+    return {h: rule for h, rule in heads.items() if not _in_attention(h, modules)}
 
 
 def token_vocabulary(modules: dict[str, nn.Module]) -> int | None:
@@ -124,6 +133,12 @@ def find_output_heads(module: nn.Module) -> list[str]:
     blocks, preferring one with as many outputs as the token embedding has rows. A Linear inside an
     attention block is never a head.
     """
+    return list(output_heads(module))
+
+
+def output_heads(module: nn.Module) -> dict[str, Rule]:
+    """`find_output_heads`, each with the rule that found it: `Rule.CONVENTION`, `Rule.NAME` or
+    `Rule.STRUCTURE`."""
     modules = dict(module.named_modules())
     heads = _conventional_heads(module, modules)
     if heads:
@@ -137,7 +152,7 @@ def find_output_heads(module: nn.Module) -> list[str]:
     vocabulary = token_vocabulary(modules)
     lm_heads = [name for name in linears if vocabulary is not None and modules[name].out_features == vocabulary]
     candidates = lm_heads or linears
-    return candidates[-1:]
+    return dict.fromkeys(candidates[-1:], Rule.STRUCTURE)
 
 
 def find_input_layer(module: nn.Module) -> str | None:

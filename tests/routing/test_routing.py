@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.demos import Transformer
 from torch import nn
 
-from lightning_muon.routing import ADAMW, MUON, find_output_head, route_parameters
+from lightning_muon.routing import ADAMW, MUON, find_output_heads, route_parameters
 
 
 class Block(nn.Module):
@@ -104,7 +104,7 @@ def test_nanogpt_tied_head_registered_first_is_routed_as_tied():
 def test_nanogpt_untied_head(head_first):
     routing = route_parameters(NanoGPT(tie=False, head_first=head_first))
     assert groups_of(routing)["lm_head.weight"] == (ADAMW, "head")
-    assert find_output_head(NanoGPT(tie=False, head_first=head_first)) == "lm_head"
+    assert find_output_heads(NanoGPT(tie=False, head_first=head_first)) == ["lm_head"]
 
 
 def test_lightning_demo_transformer():
@@ -112,7 +112,7 @@ def test_lightning_demo_transformer():
     routing = route_parameters(model)
     got = groups_of(routing)
     # The top-level `decoder` Linear is the head; the `transformer.decoder` stack is hidden.
-    assert find_output_head(model) == "decoder"
+    assert find_output_heads(model) == ["decoder"]
     assert got["decoder.weight"] == (ADAMW, "head")
     assert got["decoder.bias"] == (ADAMW, "head")
     assert got["embedding.weight"] == (ADAMW, "embeddings")

@@ -1,0 +1,111 @@
+"""`Route` (one parameter's decision) and `Routing` (all of them, and the param groups they make)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from torch import Tensor
+
+from lightning_muon.routing import _table
+from lightning_muon.routing._vocabulary import Algorithm, Rule
+
+__all__ = ["Route", "Routing"]
+
+#: Group names, in the order the groups are returned.
+_GROUP_ORDER = {
+    Algorithm.MUON: ("hidden",),
+    Algorithm.ADAMW: ("hidden", "embeddings", "input", "head", "norms_and_biases", "other"),
+}
+
+
+@dataclass(frozen=True)
+class Route:
+    """One routing decision: where parameter ``name`` goes, why, and which rule decided."""
+
+    name: str
+    shape: tuple[int, ...]
+    optimizer: Algorithm
+    group: str
+    #: Why, in words (for people: no code reads it).
+    reason: str
+    #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``: see `lightning_muon.Muon`).
+    layout: str = "flatten"
+    #: The rule that decided (`Rule`).
+    rule: Rule = field(kw_only=True)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Routing:
+    """Every trainable parameter's route, and the param groups for the two optimizers."""
+
+    routes: list[Route]
+    params: dict[str, Tensor]
+    #: Where output heads and input layers came from, for people (the table's last lines say it).
+    roles_from: str = "names and structure (no training batch seen)"
+
+    def groups(self, optimizer: str) -> list[dict[str, Any]]:
+        """Param groups for ``optimizer`` (an `Algorithm`, or its name: `MUON`, `ADAMW`), non-empty, in a fixed
+        order.
+
+        Each group is ``{"name": ..., "params": [(param_name, tensor), ...]}``,
+        which every ``torch.optim.Optimizer`` accepts (it keeps the names as
+        ``param_names``); a Muon group with stacked or ``in x out`` matrices also has
+        ``"matrix_layouts"``, one per parameter.
+        """
+        algorithm = Algorithm(optimizer)
+        groups: list[dict[str, Any]] = []
+        for group in _GROUP_ORDER[algorithm]:
+            routes = [r for r in self.routes if r.optimizer is algorithm and r.group == group]
+            if not routes:
+                continue
+            groups.append({"name": group, "params": [(r.name, self.params[r.name]) for r in routes]})
+            if any(r.layout != "flatten" for r in routes):  # only where needed: plain groups stay as they were
+                groups[-1]["matrix_layouts"] = [r.layout for r in routes]
+        return groups
+
+    @property
+    def muon_groups(self) -> list[dict[str, Any]]:
+        return self.groups(Algorithm.MUON)
+
+    @property
+    def adamw_groups(self) -> list[dict[str, Any]]:
+        return self.groups(Algorithm.ADAMW)
+
+    def names(self, optimizer: str) -> list[str]:
+        """The names of the parameters routed to ``optimizer``, in group order."""
+        return [name for group in self.groups(optimizer) for name, _ in group["params"]]
+
+    def all_on_adamw(self, why: str) -> Routing:
+        """The same routes with every Muon parameter on AdamW instead (the ``muon=None`` baseline), so the
+        table shows where parameters really go; their group stays ``hidden``."""
+        moved = [
+            replace(r, optimizer=Algorithm.ADAMW, reason=f"{r.reason}; {why}", layout="flatten")
+            if r.optimizer is Algorithm.MUON else r
+            for r in self.routes
+        ]
+        return Routing(routes=moved, params=self.params, roles_from=self.roles_from)
+
+    # The table (`lightning_muon.routing._table`).
+
+    def rich_table(self, effective_lr: Callable[[Route], float | None] | None = None) -> Any:
+        """A ``rich.table.Table`` (rich installed): parameter, shape, optimizer, group, reason, the rule that
+        decided (and effective lr)."""
+        return _table.rich_table(self, effective_lr)
+
+    def plain_table(self, effective_lr: Callable[[Route], float | None] | None = None) -> str:
+        """The table in aligned plain-text columns (what `render` gives without rich)."""
+        return _table.plain_table(self, effective_lr)
+
+    def render(self, effective_lr: Callable[[Route], float | None] | None = None, width: int = 140) -> str:
+        """The table as plain text: drawn by rich when it is installed, else `plain_table`."""
+        return _table.render(self, effective_lr, width)
+
+    def __str__(self) -> str:
+        return self.render()

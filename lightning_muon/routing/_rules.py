@@ -1,0 +1,304 @@
+"""The decision: `route_parameters` and the rules it applies, in their order of precedence (the package's
+docstring lists them). Each rule gives a `Decision`; the layout rule's `Kind` of the tensor is what later rules
+go by, the reason is for people only."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
+
+from lightning_muon.routing import _roles
+from lightning_muon.routing._routing import Route, Routing
+from lightning_muon.routing._trace import GraphRoles
+from lightning_muon.routing._vocabulary import Algorithm, Rule
+
+__all__ = ["Decision", "Kind", "check_pattern_list", "route_parameters"]
+
+
+def check_pattern_list(kind: str, patterns: Sequence[str]) -> None:
+    """Refuse a string where a list of glob patterns belongs (``muon_params="blocks.*"`` would iterate its
+    characters).
+
+    Raises:
+        ValueError: ``patterns`` is a string; the message names ``kind`` and the fix.
+    """
+    if isinstance(patterns, str):
+        raise ValueError(f"{kind} must be a list of glob patterns, got the string {patterns!r}; write [{patterns!r}]")
+
+
+def _check_patterns(kind: str, patterns: Sequence[str], aliases: dict[str, list[str]]) -> None:
+    """Refuse a string (`check_pattern_list`) and a pattern that matches no parameter under any of its names."""
+    check_pattern_list(kind, patterns)
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(a, pattern) for names in aliases.values() for a in names):
+            examples = ", ".join(list(aliases)[:6])
+            raise ValueError(
+                f"{kind} pattern {pattern!r} matches no trainable parameter. "
+                f"Patterns are globs on full parameter names such as: {examples}"
+            )
+
+
+class Kind(Enum):
+    """What a tensor is, by its layout and shape: what the rules after the layout rule go by."""
+
+    #: A tensor under 2 dimensions named ``...bias``.
+    BIAS = "bias"
+    #: Any other tensor under 2 dimensions (norm weights, scales, scalars).
+    VECTOR = "vector"
+    #: A bare token or position table (``cls_token``, ``pos_embed``).
+    TABLE = "table"
+    #: A convolution's kernel, seen as ``shape[0] x prod(shape[1:])``.
+    KERNEL = "kernel"
+    #: A 2D weight (``out x in``, or ``in x out`` as transformers' ``Conv1D``).
+    MATRIX = "matrix"
+    #: A stack of matrices over the leading dimensions (MoE experts ``E x out x in``).
+    STACK = "stack"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where one parameter goes and why, before it has a name and shape (`Route`)."""
+
+    optimizer: Algorithm
+    group: str
+    #: Why, for people only: no rule reads it.
+    reason: str
+    #: The rule that decided.
+    rule: Rule
+    #: What the tensor is (the layout rule's verdict, kept by every rule that overrules it): rules read this.
+    kind: Kind
+    #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``).
+    layout: str = "flatten"
+
+    def overruled(self, optimizer: Algorithm, group: str, reason: str, rule: Rule, layout: str = "flatten") -> Decision:
+        """The same tensor (its `kind` kept) decided by ``rule`` instead."""
+        return replace(self, optimizer=optimizer, group=group, reason=reason, rule=rule, layout=layout)
+
+    def route(self, name: str, shape: tuple[int, ...]) -> Route:
+        """This decision as parameter ``name``'s `Route`."""
+        return Route(name, shape, self.optimizer, self.group, self.reason, self.layout, rule=self.rule)
+
+
+_TWO_D_ONLY = "{}D tensor and the Muon class is 2D-only"
+
+
+def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool) -> Decision:
+    """The `Decision` for a parameter that no user pattern, module type, tie or head decided: by its shape and
+    its module's kind (a conv kernel, a weight stored in x out, a stack of matrices, a bare table)."""
+    shape = tuple(p.shape)
+    own_weight = param_name == "weight" and not isinstance(module, nn.ParameterList | nn.ParameterDict)
+    if p.ndim < 2:
+        if name.endswith("bias"):
+            return Decision(Algorithm.ADAMW, "norms_and_biases", "bias", Rule.SHAPE, Kind.BIAS)
+        return Decision(Algorithm.ADAMW, "norms_and_biases", f"{p.ndim}D tensor", Rule.SHAPE, Kind.VECTOR)
+    if not own_weight and not _roles.is_conv(module) and _roles.is_table(param_name, p):
+        rule = Rule.NAME if _roles.is_table_name(param_name) else Rule.SHAPE
+        dims = "x".join(map(str, shape))
+        return Decision(Algorithm.ADAMW, "embeddings", f"token or position table ({dims})", rule, Kind.TABLE)
+    if _roles.is_conv(module) and param_name == "weight":
+        if not muon_nd:
+            return Decision(Algorithm.ADAMW, "other", _TWO_D_ONLY.format(p.ndim), Rule.SHAPE, Kind.KERNEL)
+        reason = f"{p.ndim}D kernel, orthogonalised as {shape[0]}x{math.prod(shape[1:])}"
+        return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.KERNEL)
+    if p.ndim == 2 and _roles.stores_in_out(module, param_name):
+        if not muon_nd:  # torch.optim.Muon scales the lr from the stored shape
+            reason = "hidden matrix stored in x out (torch.optim.Muon scales its lr as stored)"
+            return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.MATRIX)
+        reason = f"hidden matrix stored in x out ({shape[1]}x{shape[0]} out x in)"
+        return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.MATRIX, "in_out")
+    if p.ndim == 2:
+        return Decision(Algorithm.MUON, "hidden", "hidden matrix", Rule.SHAPE, Kind.MATRIX)
+    if not muon_nd:
+        return Decision(Algorithm.ADAMW, "other", _TWO_D_ONLY.format(p.ndim), Rule.SHAPE, Kind.STACK)
+    reason = f"{math.prod(shape[:-2])} stacked matrices {shape[-2]}x{shape[-1]}, each orthogonalised"
+    return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.STACK, "stack")
+
+
+@dataclass(frozen=True)
+class _Role:
+    """What a parameter's modules say about it: its own module, and the roles that decide before its shape."""
+
+    module: nn.Module
+    #: The name under which it is an embedding's weight (tied), or None.
+    embedding: str | None
+    #: The output head module it belongs to, or None.
+    head: str | None
+    #: Whether it is the input layer's weight.
+    is_input: bool
+    #: What the first training batch showed: ``"head"``, ``"input"``, ``"hidden"`` or ``None`` (not seen).
+    graph: str | None = None
+    #: The rule that found the output head `head` (`Rule.CONVENTION`, `Rule.NAME` or `Rule.STRUCTURE`).
+    head_rule: Rule = Rule.STRUCTURE
+
+
+def _module_of(alias: str) -> str:
+    return alias.rsplit(".", 1)[0] if "." in alias else ""
+
+
+def _role(name: str, owners: list[tuple[str, nn.Module]], heads: dict[str, Rule], input_layer: str | None,
+          graph: GraphRoles | None) -> _Role:
+    """The `_Role` of parameter ``name``, owned (under every alias of a tied weight) by ``owners``."""
+    own_module = next(mod for alias, mod in owners if alias == name)
+    head = next((_module_of(alias) for alias, _ in owners if _module_of(alias) in heads), None)
+    return _Role(
+        module=own_module,
+        embedding=next((alias for alias, mod in owners if isinstance(mod, _roles.EMBEDDINGS)), None),
+        head=head,
+        is_input=name.rsplit(".", 1)[-1] == "weight" and input_layer is not None and _module_of(name) == input_layer,
+        graph=None if graph is None else graph.role(name) or _bias_role(name, graph),
+        head_rule=Rule.STRUCTURE if head is None else heads[head],
+    )
+
+
+def _bias_role(name: str, graph: GraphRoles) -> str | None:
+    """A bias's role is its layer's: the graph role of the ``weight`` beside it."""
+    module, _, leaf = name.rpartition(".")
+    return graph.role(f"{module}.weight" if module else "weight") if leaf == "bias" else None
+
+
+def _matched(patterns: Sequence[str], aliases: Sequence[str]) -> str | None:
+    """The first pattern that matches any of a parameter's names."""
+    return next((pat for pat in patterns if any(fnmatch.fnmatchcase(a, pat) for a in aliases)), None)
+
+
+def _pattern_route(name: str, p: Tensor, role: _Role, by_layout: Decision, to_muon: str | None,
+                   to_adamw: str | None, muon_nd: bool) -> Decision:
+    """Precedence 1: a user pattern decides (both matching, or a tensor Muon cannot take, is an error)."""
+    if to_muon and to_adamw:
+        raise ValueError(
+            f"parameter `{name}` matches muon_params pattern {to_muon!r} and adamw_params pattern "
+            f"{to_adamw!r}; make the patterns disjoint"
+        )
+    if to_muon:
+        if p.ndim < 2 or (p.ndim > 2 and not muon_nd):
+            need = "at least 2" if p.ndim < 2 else "exactly 2 (this Muon class is 2D-only)"
+            raise ValueError(
+                f"muon_params pattern {to_muon!r} matches `{name}` of shape {tuple(p.shape)}, but Muon needs "
+                f"{need} dimensions; narrow the pattern"
+            )
+        layout = by_layout.layout
+        if by_layout.optimizer is not Algorithm.MUON:  # a table forced onto Muon: a matrix, or a stack of them
+            layout = "stack" if p.ndim > 2 else "flatten"
+        return by_layout.overruled(Algorithm.MUON, "hidden", f"matches muon_params {to_muon!r}", Rule.PATTERN, layout)
+    group = "other" if p.ndim >= 2 else "norms_and_biases"
+    group = "embeddings" if role.embedding else "head" if role.head else "input" if role.is_input else group
+    return by_layout.overruled(Algorithm.ADAMW, group, f"matches adamw_params {to_adamw!r}", Rule.PATTERN)
+
+
+def _role_route(role: _Role, by_layout: Decision) -> Decision | None:
+    """Precedence 2-6: module type, a tie to an embedding, what the first batch showed (for matrices), the
+    output head, the input layer; None if no role decides."""
+    module = role.module
+    if isinstance(module, _roles.EMBEDDINGS):
+        return by_layout.overruled(Algorithm.ADAMW, "embeddings", f"{type(module).__name__} weight", Rule.MODULE_TYPE)
+    if _roles.is_norm(module):
+        reason = f"norm layer ({type(module).__name__})"
+        return by_layout.overruled(Algorithm.ADAMW, "norms_and_biases", reason, Rule.MODULE_TYPE)
+    if role.embedding:
+        return by_layout.overruled(Algorithm.ADAMW, "embeddings", f"tied to embedding `{role.embedding}`", Rule.TIE)
+    if role.graph is not None and by_layout.optimizer is Algorithm.MUON:  # a matrix: the batch decides (not tables)
+        return _graph_route(role, by_layout)
+    if role.graph is not None and by_layout.kind is Kind.BIAS:  # a bias goes where its layer's weight goes
+        if role.graph != "head":
+            return by_layout
+        return by_layout.overruled(Algorithm.ADAMW, "head", "output head's bias (first batch)", Rule.FIRST_BATCH)
+    if role.head:
+        return by_layout.overruled(Algorithm.ADAMW, "head", f"output head `{role.head}`", role.head_rule)
+    if role.is_input:
+        channels = getattr(module, "in_channels", "?")
+        plural = "" if channels == 1 else "s"
+        reason = f"input layer ({type(module).__name__} on {channels} input channel{plural})"
+        return by_layout.overruled(Algorithm.ADAMW, "input", reason, Rule.STRUCTURE)
+    return None
+
+
+def _graph_route(role: _Role, by_layout: Decision) -> Decision:
+    """A matrix's route from what the first training batch showed (`GraphRoles`)."""
+    if role.graph == "head":
+        reason = "output head: feeds the loss through no other matrix (first batch)"
+        return by_layout.overruled(Algorithm.ADAMW, "head", reason, Rule.FIRST_BATCH)
+    if role.graph == "input":
+        reason = "input layer: reads the batch through no other matrix (first batch)"
+        return by_layout.overruled(Algorithm.ADAMW, "input", reason, Rule.FIRST_BATCH)
+    overruled = "output head" if role.head else "input layer" if role.is_input else None
+    if overruled:  # the structural rules guessed a role the computation does not have
+        reason = f"{by_layout.reason}; not the {overruled} its name or place suggests (first batch)"
+        return replace(by_layout, reason=reason, rule=Rule.FIRST_BATCH)
+    return by_layout
+
+
+def route_parameters(
+    module: nn.Module,
+    *,
+    muon_params: Sequence[str] = (),
+    adamw_params: Sequence[str] = (),
+    muon_nd: bool = True,
+    graph: GraphRoles | None = None,
+) -> Routing:
+    """Decide Muon or AdamW for every trainable parameter of ``module``, with a reason and the rule that decided.
+
+    Args:
+        module: the model.
+        muon_params: glob patterns on full parameter names (``"blocks.*.attn.*.weight"``)
+            forced to Muon; they must match matrices.
+        adamw_params: glob patterns forced to AdamW.
+        muon_nd: whether the Muon class accepts tensors with more than 2
+            dimensions (``lightning_muon.Muon`` does, ``torch.optim.Muon`` does
+            not: with ``False`` such tensors go to AdamW).
+        graph: what a training batch showed (`trace_roles`): output heads, input layers and hidden
+            matrices, found from the computation. It decides for matrices after user patterns, module
+            type and ties; the name and structure rules decide what it did not see.
+
+    Raises:
+        ValueError: a pattern matches nothing, a parameter matches both kinds
+            of pattern, or a tensor Muon cannot take is forced to Muon.
+    """
+    trainable: dict[str, Tensor] = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    lazy = [name for name, p in trainable.items() if is_lazy(p)]
+    if lazy:
+        raise ValueError(
+            f"{', '.join(lazy[:5])}{' and more' if len(lazy) > 5 else ''} are not initialised yet (lazy modules such "
+            "as nn.LazyLinear), so their shapes, and with them their optimizer, are unknown. Run one forward pass "
+            "with an example batch before the optimizers are built, e.g. at the end of the module's __init__: "
+            "`self(torch.zeros(1, in_features))`."
+        )
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for p_name, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((f"{mod_name}.{p_name}" if mod_name else p_name, mod))
+    aliases = {name: [alias for alias, _ in owners[id(p)]] for name, p in trainable.items()}
+    _check_patterns("muon_params", muon_params, aliases)
+    _check_patterns("adamw_params", adamw_params, aliases)
+    heads = _roles.output_heads(module)
+    input_layer = _roles.find_input_layer(module)
+
+    routes = []
+    for name, p in trainable.items():
+        role = _role(name, owners[id(p)], heads, input_layer, graph)
+        to_muon, to_adamw = (_matched(patterns, aliases[name]) for patterns in (muon_params, adamw_params))
+        by_layout = _layout_route(name, p, role.module, name.rsplit(".", 1)[-1], muon_nd)
+        if to_muon or to_adamw:
+            decision = _pattern_route(name, p, role, by_layout, to_muon, to_adamw, muon_nd)
+        else:
+            decision = _role_route(role, by_layout) or by_layout
+        routes.append(decision.route(name, tuple(p.shape)))
+
+    routed = [r.name for r in routes]
+    if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's
+        raise RuntimeError(f"lightning_muon routed {sorted(routed)} for the trainable parameters {sorted(trainable)}")
+    return Routing(routes=routes, params=dict(trainable), roles_from=_roles_from(graph))
+
+
+def _roles_from(graph: GraphRoles | None) -> str:
+    """Where the output heads and input layers of a routing with ``graph`` came from, for the table."""
+    if graph is None:
+        return "names and structure (no training batch seen)"
+    if graph.heads is None and graph.inputs is None:
+        return f"names and structure (the training batch could not be followed: {graph.note})"
+    return "the first training batch" + (f" ({graph.note})" if graph.note else "")

@@ -1,0 +1,81 @@
+"""The routing's vocabulary, one name per concept everywhere (code, table, logs, checkpoints): `Algorithm`, where
+a parameter goes, and `Rule`, which rule sent it there."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Final
+
+__all__ = ["ADAMW", "MUON", "Algorithm", "Rule"]
+
+
+class Algorithm(str, Enum):
+    """Muon or AdamW.
+
+    A member is a ``str`` equal to its value, the name tables, logs and checkpoints show (``"Muon"``,
+    ``"AdamW"``), so it finds and matches records saved under that name. `key` is the lower-case spelling a
+    `lightning_muon.MuonWithAdamW` param group keeps under ``"algorithm"``. Saved data holds the plain strings
+    (``str(member)``, ``member.key``), never the member: ``torch.load(weights_only=True)`` refuses classes it
+    does not know.
+    """
+
+    MUON = "Muon"
+    ADAMW = "AdamW"
+
+    # The value, not ``Algorithm.MUON``, in f-strings and messages (``str, Enum`` defaults to the member's name).
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, format_spec: str) -> str:
+        return format(self.value, format_spec)
+
+    @property
+    def key(self) -> str:
+        """The lower-case spelling: a `lightning_muon.MuonWithAdamW` group's ``algorithm`` (``"muon"``)."""
+        return self.value.lower()
+
+    @classmethod
+    def from_key(cls, key: str) -> Algorithm:
+        """The member whose `key` is ``key``.
+
+        Raises:
+            ValueError: ``key`` is no member's `key`.
+        """
+        for algorithm in cls:
+            if algorithm.key == key:
+                return algorithm
+        raise ValueError(f"{key!r} is none of {[a.key for a in cls]}")
+
+
+class Rule(str, Enum):
+    """Which rule decided a route (`lightning_muon.routing.route_parameters`), in the order of precedence: the
+    first that applies decides. The value is what the routing table shows."""
+
+    #: ``muon_params`` / ``adamw_params``, the user's glob patterns.
+    PATTERN = "pattern"
+    #: The module's type: ``nn.Embedding`` and ``nn.EmbeddingBag``, norm layers.
+    MODULE_TYPE = "module type"
+    #: A weight tied to an embedding.
+    TIE = "tie"
+    #: What a training batch showed (`lightning_muon.routing.GraphRoles`): output heads, input layers.
+    FIRST_BATCH = "first batch"
+    #: The model's own word: transformers' ``get_output_embeddings()``, timm's ``get_classifier()``.
+    CONVENTION = "convention"
+    #: A name: a head's (``lm_head``, ``classifier``), a token or position table's (``cls_token``).
+    NAME = "name"
+    #: The model's structure: its last Linear outside repeated blocks, a first conv on the raw input.
+    STRUCTURE = "structure"
+    #: The tensor's layout and number of dimensions.
+    SHAPE = "shape"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, format_spec: str) -> str:
+        return format(self.value, format_spec)
+
+
+#: Muon's name as a plain ``str``, where a record is saved (a checkpoint's routing is keyed by it).
+MUON: Final[str] = Algorithm.MUON.value
+#: AdamW's name as a plain ``str``, where a record is saved (a checkpoint's routing is keyed by it).
+ADAMW: Final[str] = Algorithm.ADAMW.value
