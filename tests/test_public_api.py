@@ -22,7 +22,7 @@ PACKAGE = Path(lightning_muon.__file__).parent
 
 #: The public names of every public module, sorted: the three tiers that ``lightning_muon/__init__.py`` names (the
 #: top level, ``attention``, ``optim.groups``) and every subpackage's ``__all__``. Changing a name here is changing
-#: the API: do it on purpose. 
+#: the API: do it on purpose.
 PUBLIC = {
     "lightning_muon": [
         "GraphRoles", "Muon", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics", "QKClip", "Routing",
@@ -35,9 +35,9 @@ PUBLIC = {
     ],
     "lightning_muon.optim.groups": [
         "ADJUST_LR_FNS", "DEFAULT_BATCH_BYTES", "DEFAULT_BATCH_BYTES_ACCELERATOR", "LAYOUTS", "adjust_lr", "batch_cap",
-        "describe_param", "dtype_name", "fan_shape", "group_effective_lr", "group_effective_lrs", "is_count", "layouts_of",
-        "lr_value", "matrices_in", "matrix_shape", "ns_dtype", "ns_settings", "on_exact_path", "param_name",
-        "uses_gram",
+        "describe_param", "dtype_name", "fan_shape", "group_effective_lr", "group_effective_lrs", "is_count",
+        "layouts_of", "lr_value", "matrices_in", "matrix_shape", "ns_dtype", "ns_settings", "on_exact_path",
+        "param_name", "uses_gram",
     ],
     "lightning_muon.optim": [
         "Muon", "ParamDiagnostics", "StrategyInfo", "WarmupCosine", "adjust_lr", "groups", "orthogonality_error",

@@ -53,7 +53,7 @@ def main(args: Sequence[str]) -> None:
         parser().error("give the config to inspect: --config FILE")
     cli = instantiate(expand_configs(argv))
     model = cli.model
-    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 160  # whole names when piped
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 200  # whole cells when piped
     if not isinstance(model, MuonMixin):
         print(f"{type(model).__name__} does not use MuonMixin: every parameter stays on its own optimizer.")
         return

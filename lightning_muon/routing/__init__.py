@@ -23,11 +23,12 @@ decision.
 
 The modules behind this face: ``_vocabulary`` (`Algorithm`, `Rule`), ``_roles`` (what the model says about a
 module: heads, input layer, tables), ``_trace`` (what a training batch shows), ``_rules`` (the decision),
-``_routing`` (`Route`, `Routing`) and ``_table`` (the table).
+``_route`` (`Route`), ``_routing`` (`Routing`) and ``_table`` (the table).
 """
 
 from lightning_muon.routing._roles import find_output_heads
-from lightning_muon.routing._routing import Route, Routing
+from lightning_muon.routing._route import Route
+from lightning_muon.routing._routing import Routing
 from lightning_muon.routing._rules import check_pattern_list, route_parameters
 from lightning_muon.routing._trace import GraphRoles, trace_roles, trace_step
 from lightning_muon.routing._vocabulary import ADAMW, MUON, Algorithm, Rule

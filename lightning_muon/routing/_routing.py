@@ -1,16 +1,16 @@
-"""`Route` (one parameter's decision) and `Routing` (all of them, and the param groups they make)."""
+"""`Routing`: every parameter's `Route`, and the param groups they make."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from torch import Tensor
 
 from lightning_muon.routing import _table
-from lightning_muon.routing._vocabulary import Algorithm, Rule
+from lightning_muon.routing._route import Route
+from lightning_muon.routing._vocabulary import Algorithm
 
 __all__ = ["Route", "Routing"]
 
@@ -19,26 +19,6 @@ _GROUP_ORDER = {
     Algorithm.MUON: ("hidden",),
     Algorithm.ADAMW: ("hidden", "embeddings", "input", "head", "norms_and_biases", "other"),
 }
-
-
-@dataclass(frozen=True)
-class Route:
-    """One routing decision: where parameter ``name`` goes, why, and which rule decided."""
-
-    name: str
-    shape: tuple[int, ...]
-    optimizer: Algorithm
-    group: str
-    #: Why, in words (for people: no code reads it).
-    reason: str
-    #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``: see `lightning_muon.Muon`).
-    layout: str = "flatten"
-    #: The rule that decided (`Rule`).
-    rule: Rule = field(kw_only=True)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass
@@ -97,15 +77,15 @@ class Routing:
     def rich_table(self, effective_lr: Callable[[Route], float | None] | None = None) -> Any:
         """A ``rich.table.Table`` (rich installed): parameter, shape, optimizer, group, reason, the rule that
         decided (and effective lr)."""
-        return _table.rich_table(self, effective_lr)
+        return _table.rich_table(self.routes, self.roles_from, effective_lr)
 
     def plain_table(self, effective_lr: Callable[[Route], float | None] | None = None) -> str:
         """The table in aligned plain-text columns (what `render` gives without rich)."""
-        return _table.plain_table(self, effective_lr)
+        return _table.plain_table(self.routes, self.roles_from, effective_lr)
 
     def render(self, effective_lr: Callable[[Route], float | None] | None = None, width: int = 140) -> str:
         """The table as plain text: drawn by rich when it is installed, else `plain_table`."""
-        return _table.render(self, effective_lr, width)
+        return _table.render(self.routes, self.roles_from, effective_lr, width)
 
     def __str__(self) -> str:
         return self.render()

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from lightning_muon.routing import _roles
-from lightning_muon.routing._routing import Route, Routing
+from lightning_muon.routing._route import Route
+from lightning_muon.routing._routing import Routing
 from lightning_muon.routing._trace import GraphRoles
 from lightning_muon.routing._vocabulary import Algorithm, Rule
 
@@ -301,4 +302,4 @@ def _roles_from(graph: GraphRoles | None) -> str:
         return "names and structure (no training batch seen)"
     if graph.heads is None and graph.inputs is None:
         return f"names and structure (the training batch could not be followed: {graph.note})"
-    return "the first training batch" + (f" ({graph.note})" if graph.note else "")
+    return "the first batch's computation" + (f" ({graph.note})" if graph.note else "")

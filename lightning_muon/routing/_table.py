@@ -5,13 +5,13 @@ in plain aligned columns."""
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning_muon.routing._vocabulary import Algorithm
 
 if TYPE_CHECKING:
-    from lightning_muon.routing._routing import Route, Routing
+    from lightning_muon.routing._route import Route
 
 __all__ = ["plain_table", "render", "rich_table"]
 
@@ -20,31 +20,32 @@ TITLE = "lightning_muon routing"
 EffectiveLr = Callable[["Route"], "float | None"]
 
 
-def _cells(routing: Routing, effective_lr: EffectiveLr | None) -> tuple[list[str], list[list[str]], str]:
+def _cells(routes: Sequence[Route], roles_from: str,
+           effective_lr: EffectiveLr | None) -> tuple[list[str], list[list[str]], str]:
     """The table's header, rows and closing lines (where the roles came from, the totals), as text."""
     header = ["parameter", "shape", "optimizer", "group", "reason", "rule"]
     if effective_lr is not None:
         header.append("effective lr")
     rows = []
-    for r in routing.routes:
+    for r in routes:
         row = [r.name, "x".join(map(str, r.shape)) or "scalar", str(r.optimizer), r.group, r.reason, str(r.rule)]
         if effective_lr is not None:
             lr = effective_lr(r)
             row.append("" if lr is None else f"{lr:.3g}")
         rows.append(row)
     totals = "; ".join(
-        f"{opt}: {sum(r.optimizer == opt for r in routing.routes)} tensors, "
-        f"{sum(r.numel for r in routing.routes if r.optimizer == opt):,} parameters"
+        f"{opt}: {sum(r.optimizer == opt for r in routes)} tensors, "
+        f"{sum(r.numel for r in routes if r.optimizer == opt):,} parameters"
         for opt in Algorithm
     )
-    return header, rows, f"Output heads and input layers: from {routing.roles_from}.\n{totals}"
+    return header, rows, f"Output heads and input layers: from {roles_from}.\n{totals}"
 
 
-def rich_table(routing: Routing, effective_lr: EffectiveLr | None = None) -> Any:
+def rich_table(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None = None) -> Any:
     """A ``rich.table.Table`` (rich installed)."""
     from rich.table import Table
 
-    header, rows, totals = _cells(routing, effective_lr)
+    header, rows, totals = _cells(routes, roles_from, effective_lr)
     table = Table(title=TITLE, show_lines=False)
     for column in header:
         table.add_column(column, justify="right" if column == "effective lr" else "left")
@@ -54,9 +55,9 @@ def rich_table(routing: Routing, effective_lr: EffectiveLr | None = None) -> Any
     return table
 
 
-def plain_table(routing: Routing, effective_lr: EffectiveLr | None = None) -> str:
+def plain_table(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None = None) -> str:
     """The table in aligned plain-text columns."""
-    header, rows, totals = _cells(routing, effective_lr)
+    header, rows, totals = _cells(routes, roles_from, effective_lr)
     widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
@@ -67,13 +68,15 @@ def plain_table(routing: Routing, effective_lr: EffectiveLr | None = None) -> st
     return "\n".join([TITLE, line(header), rule, *map(line, rows), rule, totals]) + "\n"
 
 
-def render(routing: Routing, effective_lr: EffectiveLr | None = None, width: int = 140) -> str:
+def render(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None = None,
+           width: int = 140) -> str:
     """The table as plain text: drawn by rich when it is installed, else `plain_table`."""
     try:
         from rich.console import Console
     except ImportError:
-        return plain_table(routing, effective_lr)
+        return plain_table(routes, roles_from, effective_lr)
 
     buffer = io.StringIO()
-    Console(file=buffer, width=width, no_color=True, force_terminal=False).print(rich_table(routing, effective_lr))
+    console = Console(file=buffer, width=width, no_color=True, force_terminal=False)
+    console.print(rich_table(routes, roles_from, effective_lr))
     return buffer.getvalue()

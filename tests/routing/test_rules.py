@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import torch
 from test_routing import NanoGPT
@@ -72,9 +73,11 @@ def test_the_first_batch_rule_and_the_table():
     assert routes["classifier.weight"].rule is Rule.FIRST_BATCH
     assert routes["classifier.bias"].rule is Rule.FIRST_BATCH
     assert routes["mix.weight"].rule is Rule.SHAPE  # hidden, as the structural rules had it too
-    text = routing.plain_table()
-    assert "hidden matrix (shape)" in text  # the rule follows the reason
-    assert "output head: feeds the loss through no other matrix (first batch)\n" in text  # said once
+    rows = {line.split()[0]: line for line in routing.plain_table().splitlines() if line.strip()}
+    assert re.search(r" hidden matrix +shape$", rows["mix.weight"])  # the rule, in its own column
+    assert re.search(r" output head: feeds the loss through no other matrix \(first batch\) +first batch$",
+                     rows["classifier.weight"])
+    assert "Output heads and input layers: from the first batch's computation." in routing.plain_table()
 
 
 def test_one_name_per_algorithm():
