@@ -1,7 +1,8 @@
 """Run by tests/test_tensor_parallel.py in a subprocess (Lightning's ModelParallelStrategy re-launches this script
 for the other ranks): a small attention + SwiGLU language model under `MuonMixin`, tensor parallel with the plan
 of Lightning's tensor-parallel tutorial (the attention and feed-forward projections parallelised, the embedding,
-norms and head left plain tensors); with ``--devices 1`` the same model in one process. Saves every rank's
+norms and head left plain tensors), and with ``--data-parallel 2`` FSDP2 over the other mesh dimension (Lightning's
+2-D example); with ``--devices 1`` the same model in one process. Saves every rank's
 gathered parameters to ``out``.
 
 ``helpers`` imports without a ``sys.path`` edit: running a script puts its own directory first on ``sys.path``."""
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_muon import MuonMixin
@@ -65,41 +67,68 @@ class TinyLM(L.LightningModule):
             return
         for block in self.blocks:
             parallelize_module(block, self.device_mesh["tensor_parallel"], TUTORIAL_PLAN)
+        data_parallel = self.device_mesh["data_parallel"]
+        if data_parallel.size() > 1:  # 2-D: FSDP2 over the data-parallel dimension, as Lightning's 2-D example
+            for block in self.blocks:
+                fully_shard(block, mesh=data_parallel)
+            fully_shard(self, mesh=data_parallel)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))
 
     def training_step(self, batch, batch_idx):
         (tokens,) = batch
-        x = self.embedding(tokens[:, :-1])
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.norm(x))
+        logits = self(tokens[:, :-1])  # through forward: FSDP2's root module gathers its parameters there
         return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
     def train_dataloader(self):
+        """Batches of 8; under data parallelism each of the D ranks takes every D-th sample (batches of 8 / D), so
+        the ranks' batches together are one process's."""
         tokens = torch.randint(0, VOCAB, (32, SEQ + 1), generator=torch.Generator().manual_seed(0))
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=8)
+        ranks, rank = 1, 0
+        if self._device_mesh is not None:
+            ranks, rank = self.device_mesh["data_parallel"].size(), self.device_mesh["data_parallel"].get_local_rank()
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[rank::ranks]), batch_size=8 // ranks)
 
 
 class MuonTinyLM(MuonMixin, TinyLM):
     pass
 
 
+class SaveRoles(L.Callback):
+    """Each rank writes the roles its first training batch showed, and the groups its optimizers hold."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_end(self, trainer, pl_module):
+        groups = [[(g["name"], list(g["param_names"])) for g in o.param_groups] for o in trainer.optimizers]
+        roles = pl_module.muon_roles.to_dict()
+        torch.save({"roles": roles, "groups": groups}, self.directory / f"roles{trainer.global_rank}.pt")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--data-parallel", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--clip-algorithm", default="norm")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
-    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=args.devices) if args.devices > 1 \
-        else "auto"
+    dp = args.data_parallel
+    strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=args.devices // dp) \
+        if args.devices > 1 else "auto"
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[SaveEveryRank(args.out), EndProcessGroup()], gradient_clip_val=args.clip,
+        callbacks=[SaveEveryRank(args.out), SaveRoles(args.out), EndProcessGroup()], gradient_clip_val=args.clip,
         gradient_clip_algorithm=args.clip_algorithm,
-        use_distributed_sampler=False,  # tensor parallel only: every rank trains on the whole batch
+        use_distributed_sampler=False,  # the dataloader shards the data-parallel dimension itself
     )
     trainer.fit(MuonTinyLM(muon=muon_factory()))
