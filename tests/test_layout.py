@@ -116,13 +116,13 @@ def test_the_import_graph_has_no_circle_type_checking_imports_included():
     assert "lightning_muon.lightning._config" in graph["lightning_muon.lightning._first_batch"]  # TYPE_CHECKING
 
 
-def test_no_class_is_over_250_lines():
+def test_every_class_is_under_250_lines():
     """A class a newcomer reads in one sitting (`MuonMixin` is the one that keeps growing)."""
     long = [
         f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
         for name, tree in modules().items()
         for node in ast.walk(tree)
-        if isinstance(node, ast.ClassDef) and (node.end_lineno or node.lineno) - node.lineno + 1 > 250
+        if isinstance(node, ast.ClassDef) and (node.end_lineno or node.lineno) - node.lineno + 1 >= 250
     ]
     assert not long, "\n".join(long)
 

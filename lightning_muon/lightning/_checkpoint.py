@@ -14,12 +14,13 @@ import os
 import pickle
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
 
 from lightning_muon.routing import ADAMW, MUON, GraphRoles, Routing
 
@@ -46,10 +47,12 @@ def record(routing: Routing, roles: GraphRoles | None, loop_state: dict[str, int
     return saved
 
 
-def check_resume(saved: dict[str, Any], routing: Routing) -> None:
-    """Refuse a resume whose model (`check_same_model`) or routing (`check_routing`) differs from the saved."""
+def check_resume(saved: dict[str, Any], routing: Routing, module: nn.Module) -> None:
+    """Refuse a resume whose model (`check_same_model`) or routing (`check_routing`) differs from the saved;
+    ``routing`` is ``module``'s."""
     current = optimizer_names(routing)
-    check_same_model(saved, current, {r.name: r.shape for r in routing.routes})
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+    check_same_model(saved, current, {r.name: r.shape for r in routing.routes}, frozen)
     check_routing(saved, current)
 
 
@@ -66,13 +69,14 @@ def routing_differences(saved: dict[str, list[str]], current: dict[str, list[str
 
 
 def model_differences(saved: dict[str, Any], current: dict[str, list[str]],
-                      shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """One line per trainable parameter added, removed or reshaped since the checkpoint was saved (shapes are
-    compared where the checkpoint recorded them)."""
+                      shapes: dict[str, tuple[int, ...]], frozen: Collection[str] = ()) -> list[str]:
+    """One line per trainable parameter added, removed, frozen (``frozen``: the model's frozen parameters) or
+    reshaped since the checkpoint was saved (shapes are compared where the checkpoint recorded them)."""
     then = set(saved["routing"][MUON]) | set(saved["routing"][ADAMW])
     now = set(current[MUON]) | set(current[ADAMW])
     saved_shapes = {name: tuple(shape) for name, shape in saved.get("shapes", {}).items()}
-    lines = [f"  {name}: in the checkpoint, not in this model" for name in sorted(then - now)]
+    lines = [f"  {name}: trainable in the checkpoint, frozen in this model" if name in frozen else
+             f"  {name}: in the checkpoint, not in this model" for name in sorted(then - now)]
     lines += [f"  {name}: in this model, not in the checkpoint" for name in sorted(now - then)]
     lines += [
         f"  {name}: {_dims(saved_shapes[name])} in the checkpoint, {_dims(shapes[name])} in this model"
@@ -86,13 +90,21 @@ def _dims(shape: tuple[int, ...]) -> str:
 
 
 def check_same_model(saved: dict[str, Any], current: dict[str, list[str]],
-                     shapes: dict[str, tuple[int, ...]] | None = None) -> None:
+                     shapes: dict[str, tuple[int, ...]] | None = None, frozen: Collection[str] = ()) -> None:
     """Refuse a resume whose model has other trainable parameters (or other shapes) than the one that saved the
     checkpoint (built with other arguments, or another version of its code): that is not a routing choice, and
     the routing check would say it is."""
-    lines = model_differences(saved, current, shapes or {})
+    lines = model_differences(saved, current, shapes or {}, frozen)
     if not lines:
         return
+    if any("frozen in this model" in line for line in lines):
+        raise MisconfigurationException(
+            "This checkpoint was saved with parameters trainable that are frozen in this model:\n"
+            f"{first_lines(lines, 20)}\nA finetuning callback (BaseFinetuning) that unfroze them during the fit "
+            "freezes them again when a resumed fit starts, and MuonMixin cannot yet resume after such an unfreeze: "
+            "resume from a checkpoint saved before it, or start a new fit from these weights "
+            "(model.load_state_dict(torch.load(path)['state_dict'])) with the parameters unfrozen."
+        )
     raise MisconfigurationException(
         "This checkpoint was saved by a model with other trainable parameters than this one: it was built "
         f"differently, which no routing choice explains. Differences:\n{first_lines(lines, 20)}\nBuild the model as "

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningR
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_muon.lightning import _checkpoint, _checks, _compat, _first_batch
+from lightning_muon.lightning import _checkpoint, _checks, _compat, _first_batch, _unfreezing
 from lightning_muon.lightning._config import MuonConfig
 from lightning_muon.lightning._update_loop import UpdateSettings, loss_in
 from lightning_muon.routing import ADAMW, MUON, Algorithm, GraphRoles, Routing, trace_step
@@ -82,6 +82,7 @@ class FitState:
         distributed checkpoint's record to ``load_roles`` first; take ``torch.compile``'s compiler off the step."""
         trainer = module.trainer
         _checks.check_callbacks(module, config.muon_enabled)
+        _unfreezing.check_finetuning_callbacks(_compat.trainer_callbacks(trainer), config.muon_enabled)
         flags = _compat.take_trainer_flags(trainer)
         try:
             fit = resolve(config, flags)
@@ -108,13 +109,15 @@ class FitState:
         ``estimated_stepping_batches``): give it the fit's number."""
         _compat.set_accumulate_grad_batches(trainer, self.accumulation_at(trainer.current_epoch))
 
-    def configure_optimizers(self, optimizer_config: MuonConfig, algorithms: list[str],
-                             schedulers: list[dict[str, Any]]) -> None:
-        """Keep what the optimizers were built from and which they are (``algorithms``: `MUON`, `ADAMW` or both,
-        in order), and the monitor of each monitor-driven scheduler config (manual optimization drops it) for
-        `on_fit_start`, taking it out of the config Lightning validates."""
+    def configure_optimizers(self, optimizer_config: MuonConfig, built: dict[str, Optimizer],
+                             schedulers: list[dict[str, Any]], routing: Callable[[], Routing]) -> None:
+        """Keep what the optimizers were built from and which they are (``built``: by algorithm, in order); make
+        them route what a finetuning callback adds (``routing``: the module's routing as it stands, see
+        `_unfreezing`); keep the monitor of each monitor-driven scheduler config (manual optimization drops it)
+        for `on_fit_start`, taking it out of the config Lightning validates."""
         self.optimizer_config = optimizer_config
-        self.algorithms = algorithms
+        self.algorithms = list(built)
+        _unfreezing.route_added_groups(built, routing)
         self.monitors = {
             id(c["scheduler"]): (c.pop("monitor"), c.pop("strict", True)) for c in schedulers if "monitor" in c
         }

@@ -192,7 +192,7 @@ class MuonMixin(_LightningModuleBase):
         optimizers = list(built.values())
         self._muon_loop.guard_steps(self, optimizers)
         if self._muon_fit is not None:
-            self._muon_fit.configure_optimizers(config, list(built), schedulers)
+            self._muon_fit.configure_optimizers(config, built, schedulers, self.muon_routing)
         return (optimizers, schedulers) if config.lr_scheduler_factory is not None else optimizers
 
     # ------------------------------------------------------------------ a fit
@@ -246,9 +246,8 @@ class MuonMixin(_LightningModuleBase):
         """The parent's ``step`` under the update loop; the first batch of a fit with Muon is followed first."""
         fit, config = self._muon_fit, self._muon_config
         run = bind_step(step, args, kwargs, fit.compiler if fit is not None else None)
-        # The fit's settings (its Trainer flags included), else the mixin's own arguments.
-        settings = fit.settings if fit is not None else UpdateSettings(config.gradient_clip_val, "norm",
-                                                                        config.max_consecutive_skips)
+        settings = fit.settings if fit is not None else UpdateSettings(  # the fit's: its Trainer flags included
+            config.gradient_clip_val, "norm", config.max_consecutive_skips)
         if fit is None or self._muon_roles is not None or not self.muon_enabled:
             return self._muon_loop.training_step(self, run, settings)
         batch = args[0] if args else kwargs.get("batch")
@@ -302,7 +301,7 @@ class MuonMixin(_LightningModuleBase):
             return
         self._load_roles(saved, resuming)
         if resuming:  # optimizer states follow: they must meet the parameters they were saved for
-            _checkpoint.check_resume(saved, self.muon_routing())
+            _checkpoint.check_resume(saved, self.muon_routing(), self)
         self._muon_loop.load_state_dict(saved)
 
     def _load_roles(self, saved: dict[str, Any], resuming: bool) -> None:

@@ -94,3 +94,98 @@ def test_a_routing_with_nothing_on_muon_trains_and_resumes_on_adamw_alone(tmp_pa
     assert same(final, straight)
     (adamw,) = raw_optimizers(resumed)
     assert isinstance(adamw, torch.optim.AdamW)
+
+
+# ------------------------------------------------------------------ parameters unfrozen during a fit
+
+
+def finetuning_classes(pl):
+    """A module of package ``pl`` with a ``backbone`` (Linear, LayerNorm, Linear) and a head, and a BaseFinetuning
+    of that package that freezes the backbone and unfreezes it at epoch 1 (Lightning's documented pattern)."""
+
+    class WithBackbone(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                self.backbone = torch.nn.Sequential(
+                    torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+                self.mix = torch.nn.Linear(16, 16)
+                self.head = torch.nn.Linear(16, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.head(torch.tanh(self.mix(torch.tanh(self.backbone(x))))), y)
+
+        def train_dataloader(self):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()),
+                                               batch_size=4)
+
+    class Unfreeze(pl.callbacks.BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.backbone)
+
+        def finetune_function(self, pl_module, current_epoch, optimizer):
+            if current_epoch == 1:
+                self.unfreeze_and_add_param_group(modules=pl_module.backbone, optimizer=optimizer)
+
+    return type("MuonWithBackbone", (MuonMixin, WithBackbone), {}), Unfreeze
+
+
+PACKAGES = [pytest.param("lightning.pytorch", id="lightning.pytorch"),
+            pytest.param("pytorch_lightning", id="pytorch_lightning")]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_what_basefinetuning_unfreezes_is_routed_matrices_to_muon_the_rest_to_adamw(tmp_path, package):
+    import importlib
+
+    pl = importlib.import_module(package)
+    module_class, unfreeze = finetuning_classes(pl)
+    model = module_class()
+    frozen = {n: p.detach().clone() for n, p in model.backbone.named_parameters()}
+    after_first_epoch = {}
+
+    class Watch(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == 0:
+                after_first_epoch.update({n: p.detach().clone() for n, p in pl_module.backbone.named_parameters()})
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[unfreeze(), Watch()])
+    trainer.fit(model)
+    muon, adamw = (o.optimizer for o in model.optimizers())
+    groups = [{g["name"]: (list(g["param_names"]), g["lr"]) for g in o.param_groups} for o in (muon, adamw)]
+    # by the same rules as at the start: backbone.0 reads the batch (the first batch saw it, frozen): an input layer
+    assert groups[0]["unfrozen_1"] == (["backbone.3.weight"], pytest.approx(0.02 / 10))
+    assert groups[1]["unfrozen_1"] == (["backbone.0.weight", "backbone.0.bias", "backbone.1.weight",
+                                        "backbone.1.bias", "backbone.3.bias"], pytest.approx(3e-4 / 10))
+    assert all(torch.equal(after_first_epoch[n], p) for n, p in frozen.items())  # frozen through epoch 0
+    assert all(not torch.equal(model.backbone.get_parameter(n), p) for n, p in frozen.items())  # then trained
+    assert muon.state[model.backbone[3].weight] and adamw.state[model.backbone[0].weight]  # stepped, fresh
+    assert trainer.global_step == 8
+
+
+def test_backbone_finetuning_is_refused_before_any_update_with_the_way_out(tmp_path):
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    module_class, _ = finetuning_classes(L.pytorch)
+    model = module_class()
+    before = snapshot(model)
+    with pytest.raises(Exception, match=r"BackboneFinetuning keeps one backbone learning rate(.|\n)*BaseFinetuning"):
+        make_trainer(tmp_path, max_epochs=2, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)]).fit(model)
+    assert same(snapshot(model), before)
+    # the AdamW baseline takes it as it is
+    make_trainer(tmp_path, max_epochs=2, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)]).fit(
+        module_class(muon=None))
+
+
+def test_a_resume_after_an_unfreeze_is_refused_saying_so(tmp_path):
+    module_class, unfreeze = finetuning_classes(L.pytorch)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    make_trainer(tmp_path, max_epochs=2, enable_checkpointing=True, callbacks=[unfreeze(), checkpoints]).fit(
+        module_class())
+    with pytest.raises(Exception, match=r"backbone.0.weight: trainable in the checkpoint, frozen in this model"):
+        make_trainer(tmp_path, max_epochs=3, callbacks=[unfreeze()]).fit(module_class(),
+                                                                          ckpt_path=tmp_path / "epoch=1.ckpt")
