@@ -40,7 +40,8 @@ def assert_as_one_process(single: dict, ranks: list[dict], *, all_seen: bool = T
     not seen, so structure calls them hidden, as the batch does)."""
     for rank in ranks:
         keys = ["seen", "heads", "inputs", "note"] if all_seen else ["heads", "inputs", "note"]
-        assert {k: rank["roles"][k] for k in keys} == {k: single["roles"][k] for k in keys}
+        if single["roles"] is not None:
+            assert {k: rank["roles"][k] for k in keys} == {k: single["roles"][k] for k in keys}
         assert rank["groups"] == single["groups"]
         for name, p in single["params"].items():
             assert torch.equal(rank["params"][name], ranks[0]["params"][name]), name
@@ -68,3 +69,12 @@ def test_two_dimensional_data_and_tensor_parallel_trains_as_one_process(tmp_path
     ranks = run(tmp_path / "2d", 4, "--data-parallel", "2", *clip)
     assert ranks[0]["world"] == 4
     assert_as_one_process(single, ranks, all_seen=False)
+
+
+@pytest.mark.distributed
+def test_muon_with_adamw_under_lightnings_own_loop_trains_as_one_process(tmp_path):
+    """The one-optimizer way in, built in ``configure_optimizers`` from the parallelised parameters."""
+    (single,) = run(tmp_path / "one", 1, "--one-optimizer")
+    ranks = run(tmp_path / "tp", 2, "--one-optimizer")
+    assert [name for name, _ in single["groups"][0]] == ["hidden", "embeddings", "head", "norms_and_biases"]
+    assert_as_one_process(single, ranks)

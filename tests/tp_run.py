@@ -20,9 +20,10 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_muon import MuonMixin
+from lightning_muon import MuonMixin, MuonWithAdamW
+from lightning_muon.optim._dtensor import is_dtensor
 
-from helpers import EndProcessGroup, SaveEveryRank, muon_factory
+from helpers import EndProcessGroup, muon_factory
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ = 64, 32, 4, 64, 16
 
@@ -98,15 +99,27 @@ class MuonTinyLM(MuonMixin, TinyLM):
     pass
 
 
-class SaveRoles(L.Callback):
-    """Each rank writes the roles its first training batch showed, and the groups its optimizers hold."""
+class OneOptimizerTinyLM(TinyLM):
+    """The same model under Lightning's own (automatic) loop, with `MuonWithAdamW` as its one optimizer, built
+    after ``configure_model`` from the parallelised parameters."""
+
+    def configure_optimizers(self):
+        return MuonWithAdamW(self, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32)
+
+
+class SaveRank(L.Callback):
+    """Each rank writes its gathered parameters, the roles its first training batch showed (``None`` without
+    the mixin) and the groups its optimizers hold."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
 
     def on_train_end(self, trainer, pl_module):
+        params = {n: (p.full_tensor() if is_dtensor(p) else p).detach().clone()
+                  for n, p in pl_module.named_parameters()}
+        torch.save({"params": params, "world": trainer.world_size}, self.directory / f"rank{trainer.global_rank}.pt")
         groups = [[(g["name"], list(g["param_names"])) for g in o.param_groups] for o in trainer.optimizers]
-        roles = pl_module.muon_roles.to_dict()
+        roles = pl_module.muon_roles.to_dict() if isinstance(pl_module, MuonMixin) else None
         torch.save({"roles": roles, "groups": groups}, self.directory / f"roles{trainer.global_rank}.pt")
 
 
@@ -118,6 +131,7 @@ if __name__ == "__main__":
     parser.add_argument("--max-steps", type=int, default=4)
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--clip-algorithm", default="norm")
+    parser.add_argument("--one-optimizer", action="store_true", help="MuonWithAdamW under Lightning's own loop")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
@@ -127,8 +141,8 @@ if __name__ == "__main__":
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[SaveEveryRank(args.out), SaveRoles(args.out), EndProcessGroup()], gradient_clip_val=args.clip,
+        callbacks=[SaveRank(args.out), EndProcessGroup()], gradient_clip_val=args.clip,
         gradient_clip_algorithm=args.clip_algorithm,
         use_distributed_sampler=False,  # the dataloader shards the data-parallel dimension itself
     )
-    trainer.fit(MuonTinyLM(muon=muon_factory()))
+    trainer.fit(OneOptimizerTinyLM() if args.one_optimizer else MuonTinyLM(muon=muon_factory()))
