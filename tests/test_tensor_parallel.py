@@ -78,3 +78,23 @@ def test_muon_with_adamw_under_lightnings_own_loop_trains_as_one_process(tmp_pat
     ranks = run(tmp_path / "tp", 2, "--one-optimizer")
     assert [name for name, _ in single["groups"][0]] == ["hidden", "embeddings", "head", "norms_and_biases"]
     assert_as_one_process(single, ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_tensor_parallel_checkpoint_resumes_exactly_and_converts_for_one_process(tmp_path):
+    """Lightning's distributed checkpoint directory (saved at an epoch's end) resumes TP(2) bit for bit; its
+    one-file conversion (`lightning-muon convert-checkpoint`) resumes one process to the same weights."""
+    epochs = ["--max-steps", "-1", "--max-epochs"]
+    straight = run(tmp_path / "straight", 2, *epochs, "2")
+    run(tmp_path / "first", 2, *epochs, "1", "--save", str(tmp_path / "epoch1"))
+    resumed = run(tmp_path / "resumed", 2, *epochs, "2", "--ckpt", str(tmp_path / "epoch1"))
+    for name, p in straight[0]["params"].items():
+        assert torch.equal(resumed[0]["params"][name], p), name
+    converted = subprocess.run(
+        [sys.executable, "-m", "lightning_muon", "convert-checkpoint", str(tmp_path / "epoch1"),
+         str(tmp_path / "one.ckpt")], capture_output=True, text=True, timeout=120)
+    assert converted.returncode == 0, converted.stderr[-2000:]
+    (one,) = run(tmp_path / "one", 1, *epochs, "2", "--ckpt", str(tmp_path / "one.ckpt"))
+    for name, p in straight[0]["params"].items():
+        torch.testing.assert_close(one["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)

@@ -3,7 +3,8 @@ for the other ranks): a small attention + SwiGLU language model under `MuonMixin
 of Lightning's tensor-parallel tutorial (the attention and feed-forward projections parallelised, the embedding,
 norms and head left plain tensors), and with ``--data-parallel 2`` FSDP2 over the other mesh dimension (Lightning's
 2-D example); with ``--devices 1`` the same model in one process. Saves every rank's
-gathered parameters to ``out``.
+gathered parameters, first-batch roles and groups to ``out``; optionally saves a checkpoint at the end or resumes
+from one.
 
 ``helpers`` imports without a ``sys.path`` edit: running a script puts its own directory first on ``sys.path``."""
 
@@ -23,7 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from lightning_muon import MuonMixin, MuonWithAdamW
 from lightning_muon.optim._dtensor import is_dtensor
 
-from helpers import EndProcessGroup, muon_factory
+from helpers import EndProcessGroup, SaveCheckpointAtEnd, muon_factory
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ = 64, 32, 4, 64, 16
 
@@ -129,20 +130,24 @@ if __name__ == "__main__":
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--data-parallel", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=4)
+    parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--clip-algorithm", default="norm")
     parser.add_argument("--one-optimizer", action="store_true", help="MuonWithAdamW under Lightning's own loop")
+    parser.add_argument("--save", default=None, help="save a checkpoint there at the end")
+    parser.add_argument("--ckpt", default=None, help="resume from this checkpoint")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
     dp = args.data_parallel
     strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=args.devices // dp) \
         if args.devices > 1 else "auto"
+    callbacks = [SaveRank(args.out), EndProcessGroup()] + ([SaveCheckpointAtEnd(Path(args.save))] if args.save else [])
     trainer = L.Trainer(
-        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[SaveRank(args.out), EndProcessGroup()], gradient_clip_val=args.clip,
+        accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
+        max_epochs=args.max_epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks, gradient_clip_val=args.clip,
         gradient_clip_algorithm=args.clip_algorithm,
         use_distributed_sampler=False,  # the dataloader shards the data-parallel dimension itself
     )
-    trainer.fit(OneOptimizerTinyLM() if args.one_optimizer else MuonTinyLM(muon=muon_factory()))
+    trainer.fit(OneOptimizerTinyLM() if args.one_optimizer else MuonTinyLM(muon=muon_factory()), ckpt_path=args.ckpt)
