@@ -15,13 +15,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import tp_run
 
 #: As the FSDP2 tests: a shard-wise Newton-Schulz would be hundreds of times off it.
 TOLERANCE = 1e-4
 
 
 def run(out: Path, devices: int, *args: str) -> list[dict]:
-    """Run tests/tp_run.py (its own free port: a port just closed may still be taken)."""
+    """Run tests/tp_run.py: one process in this one, several in a subprocess on a free port (a port just closed
+    may still be taken)."""
+    if devices == 1:
+        tp_run.main([str(out), "--devices", "1", *args])
+        return [{**torch.load(out / "rank0.pt"), **torch.load(out / "roles0.pt")}]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -124,7 +124,8 @@ class SaveRank(L.Callback):
         torch.save({"roles": roles, "groups": groups}, self.directory / f"roles{trainer.global_rank}.pt")
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    """Train as the arguments say (the command line's without ``argv``); see the module's docstring."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--devices", type=int, default=2)
@@ -136,7 +137,7 @@ if __name__ == "__main__":
     parser.add_argument("--one-optimizer", action="store_true", help="MuonWithAdamW under Lightning's own loop")
     parser.add_argument("--save", default=None, help="save a checkpoint there at the end")
     parser.add_argument("--ckpt", default=None, help="resume from this checkpoint")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
     dp = args.data_parallel
@@ -151,3 +152,7 @@ if __name__ == "__main__":
         use_distributed_sampler=False,  # the dataloader shards the data-parallel dimension itself
     )
     trainer.fit(OneOptimizerTinyLM() if args.one_optimizer else MuonTinyLM(muon=muon_factory()), ckpt_path=args.ckpt)
+
+
+if __name__ == "__main__":
+    main()
