@@ -9,7 +9,18 @@ from typing import Final
 __all__ = ["ADAMW", "MUON", "Algorithm", "Rule"]
 
 
-class Algorithm(str, Enum):
+class _Named(str, Enum):
+    """A ``str`` enum shown by its value, not ``Algorithm.MUON``, in f-strings and messages (``str, Enum``
+    defaults to the member's name)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, format_spec: str) -> str:
+        return format(self.value, format_spec)
+
+
+class Algorithm(_Named):
     """Muon or AdamW.
 
     A member is a ``str`` equal to its value, the name tables, logs and checkpoints show (``"Muon"``,
@@ -21,13 +32,6 @@ class Algorithm(str, Enum):
 
     MUON = "Muon"
     ADAMW = "AdamW"
-
-    # The value, not ``Algorithm.MUON``, in f-strings and messages (``str, Enum`` defaults to the member's name).
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, format_spec: str) -> str:
-        return format(self.value, format_spec)
 
     @property
     def key(self) -> str:
@@ -47,7 +51,7 @@ class Algorithm(str, Enum):
         raise ValueError(f"{key!r} is none of {[a.key for a in cls]}")
 
 
-class Rule(str, Enum):
+class Rule(_Named):
     """Which rule decided a route (`lightning_muon.routing.route_parameters`), in the order of precedence: the
     first that applies decides. The value is what the routing table shows."""
 
@@ -67,12 +71,6 @@ class Rule(str, Enum):
     STRUCTURE = "structure"
     #: The tensor's layout and number of dimensions.
     SHAPE = "shape"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, format_spec: str) -> str:
-        return format(self.value, format_spec)
 
 
 #: Muon's name as a plain ``str``, where a record is saved (a checkpoint's routing is keyed by it).
