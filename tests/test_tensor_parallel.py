@@ -17,6 +17,8 @@ import pytest
 import torch
 import tp_run
 
+from helpers import read_metrics
+
 #: As the FSDP2 tests: a shard-wise Newton-Schulz would be hundreds of times off it.
 TOLERANCE = 1e-4
 
@@ -56,12 +58,18 @@ def assert_as_one_process(single: dict, ranks: list[dict], *, all_seen: bool = T
 @pytest.mark.distributed
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
 def test_the_tutorial_plan_with_clipping_trains_as_one_process(tmp_path, algorithm):
-    clip = ["--clip", "0.5" if algorithm == "norm" else "0.01", "--clip-algorithm", algorithm]
+    clip = ["--clip", "0.5" if algorithm == "norm" else "0.01", "--clip-algorithm", algorithm, "--monitor"]
     (single,) = run(tmp_path / "one", 1, *clip)
     ranks = run(tmp_path / "tp", 2, *clip)
     assert ranks[0]["world"] == 2
     assert single["roles"]["heads"] == ["lm_head.weight"] and single["roles"]["inputs"] == ["embedding.weight"]
     assert_as_one_process(single, ranks)
+    # MuonMonitor's keys and numbers (lrs, orthogonality error of the updates, update RMS) are one process's
+    one, tp = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "tp")
+    keys = [k for k in one[0] if k.startswith(("lr-", "muon/"))]
+    assert "muon/orthogonality_error" in keys and list(tp[0]) == list(one[0]) and len(tp) == len(one) == 4
+    for a, b in zip(one, tp):
+        assert [float(a[k]) for k in keys] == pytest.approx([float(b[k]) for k in keys], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -16,12 +16,13 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_muon import MuonMixin, MuonWithAdamW
+from lightning_muon import MuonMixin, MuonMonitor, MuonWithAdamW
 from lightning_muon.optim._dtensor import is_dtensor
 
 from helpers import EndProcessGroup, SaveCheckpointAtEnd, muon_factory
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--one-optimizer", action="store_true", help="MuonWithAdamW under Lightning's own loop")
     parser.add_argument("--save", default=None, help="save a checkpoint there at the end")
     parser.add_argument("--ckpt", default=None, help="resume from this checkpoint")
+    parser.add_argument("--monitor", action="store_true", help="MuonMonitor every step, into out/metrics.csv")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
@@ -144,9 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=args.devices // dp) \
         if args.devices > 1 else "auto"
     callbacks = [SaveRank(args.out), EndProcessGroup()] + ([SaveCheckpointAtEnd(Path(args.save))] if args.save else [])
+    callbacks += [MuonMonitor(log_every_n_steps=1)] if args.monitor else []
+    logger = CSVLogger(args.out, name="", version="") if args.monitor else False
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
-        max_epochs=args.max_epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        max_epochs=args.max_epochs, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks, gradient_clip_val=args.clip,
         gradient_clip_algorithm=args.clip_algorithm,
         use_distributed_sampler=False,  # the dataloader shards the data-parallel dimension itself
