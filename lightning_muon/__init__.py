@@ -16,7 +16,7 @@ The command line (``lightning-muon``) is an interface of its own.
 
 Names load on first use, so ``from lightning_muon import Muon`` (or ``import
 lightning_muon.optim``, or ``MuonWithAdamW``) needs torch only: Lightning is imported
-by the names that need it (`MuonMixin`, `MuonMonitor`, `QKClip`, `WallClock`).
+by the names that need it (`MuonMixin`, `muon_subclass`, `MuonMonitor`, `QKClip`, `WallClock`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_muon.callbacks import MuonMonitor, QKClip, WallClock
     from lightning_muon.combined import MuonWithAdamW
-    from lightning_muon.lightning import MuonMixin
+    from lightning_muon.lightning import MuonMixin, muon_subclass
     from lightning_muon.optim import (
         Muon,
         ParamDiagnostics,
@@ -55,6 +55,7 @@ _EXPORTS = {
     "orthogonality_error": "lightning_muon.optim",
     "route_parameters": "lightning_muon.routing",
     "trace_roles": "lightning_muon.routing",
+    "muon_subclass": "lightning_muon.lightning",
     "zeropower_via_newtonschulz": "lightning_muon.optim",
 }
 
@@ -70,6 +71,7 @@ __all__ = [
     "WallClock",
     "WarmupCosine",
     "adjust_lr",
+    "muon_subclass",
     "orthogonality_error",
     "route_parameters",
     "trace_roles",

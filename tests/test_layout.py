@@ -238,7 +238,8 @@ def test_the_public_api_is_the_top_level():
     assert sorted(lightning_muon.__all__) == [
         "GraphRoles", "Muon", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics", "QKClip", "Routing",
         "WallClock", "WarmupCosine",
-        "adjust_lr", "orthogonality_error", "route_parameters", "trace_roles", "zeropower_via_newtonschulz",
+        "adjust_lr", "muon_subclass", "orthogonality_error", "route_parameters", "trace_roles",
+        "zeropower_via_newtonschulz",
     ]
     for name in lightning_muon.__all__:
         assert getattr(lightning_muon, name).__module__.startswith("lightning_muon."), name

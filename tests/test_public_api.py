@@ -26,8 +26,8 @@ PACKAGE = Path(lightning_muon.__file__).parent
 PUBLIC = {
     "lightning_muon": [
         "GraphRoles", "Muon", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics", "QKClip", "Routing",
-        "WallClock", "WarmupCosine", "adjust_lr", "orthogonality_error", "route_parameters", "trace_roles",
-        "zeropower_via_newtonschulz",
+        "WallClock", "WarmupCosine", "adjust_lr", "muon_subclass", "orthogonality_error", "route_parameters",
+        "trace_roles", "zeropower_via_newtonschulz",
     ],
     "lightning_muon.attention": [
         "AttentionSite", "QKClipStats", "QKClipper", "QKLayout", "QKProjection", "UnsupportedAttentionError",
@@ -48,7 +48,7 @@ PUBLIC = {
         "find_output_heads", "route_parameters", "trace_roles", "trace_step",
     ],
     "lightning_muon.combined": ["MuonWithAdamW", "merge_state_dicts", "split_state_dict"],
-    "lightning_muon.lightning": ["MuonMixin"],
+    "lightning_muon.lightning": ["MuonMixin", "muon_subclass"],
     "lightning_muon.callbacks": ["MuonMonitor", "QKClip", "WallClock"],
     "lightning_muon.commands": ["main"],
     "lightning_muon.commands.compare": ["main"],

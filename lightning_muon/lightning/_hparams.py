@@ -3,6 +3,7 @@ mixin's own settings beside it as plain data, so a mixin checkpoint loads wherev
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING
 
 from lightning.pytorch.utilities import rank_zero_warn
@@ -34,5 +35,37 @@ def save_hyperparameters(module: LightningModule, config: MuonConfig) -> None:
         )
     # LightningCLI's config already has the mixin's settings, in its own form.
     own = {} if _compat.cli_class_path(saved_by_parent) is not None else config.to_hparams()
+    parent = _parent_class(module)
+    if own and parent is not None and _refuses_what_lightning_passes(parent):
+        saved_by_parent = {k: v for k, v in saved_by_parent.items() if k not in own}
+        own = {}
+        rank_zero_warn(
+            f"MuonMixin left its own settings out of the saved hyperparameters: {parent.__name__}.__init__ is "
+            "wrapped (by a decorator) to take any keyword, so load_from_checkpoint would pass them all, and the "
+            f"constructor it wraps refuses them. {parent.__name__}.load_from_checkpoint works on this checkpoint; "
+            f"{type(module).__name__}.load_from_checkpoint builds with the mixin's defaults unless they are "
+            "passed again."
+        )
     module.hparams.clear()  # save_hyperparameters(dict) updates: start from the chosen set alone
     module.save_hyperparameters({**saved_by_parent, **own})
+
+
+def _parent_class(module: LightningModule) -> type | None:
+    """The class after the mixin in ``module``'s MRO: the one whose ``load_from_checkpoint`` serves the model."""
+    mro = type(module).__mro__
+    mixin = next((i for i, klass in enumerate(mro) if "_muon_step" in vars(klass)), None)
+    return mro[mixin + 1] if mixin is not None and mixin + 1 < len(mro) else None
+
+
+def _refuses_what_lightning_passes(parent: type) -> bool:
+    """Whether ``parent.load_from_checkpoint`` would fail on keys its constructor does not name: Lightning passes
+    every saved hyperparameter when ``getfullargspec`` (which does not follow ``__wrapped__``) sees ``**kwargs``,
+    and filters them by name otherwise. A decorator's ``(*args, **kwargs)`` wrapper (gluonts' ``@validated()``)
+    around a constructor without ``**kwargs`` takes them all and refuses them."""
+    init = parent.__init__  # type: ignore[misc]
+    try:
+        passes_all = inspect.getfullargspec(init).varkw is not None
+        parameters = inspect.signature(init).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return passes_all and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)

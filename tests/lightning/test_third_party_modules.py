@@ -1,5 +1,6 @@
 """LightningModules that other libraries ship, with MuonMixin mixed in, trained through their own entry points
-on small synthetic data (no downloads): pytorch-forecasting's TemporalFusionTransformer and gluonts' DeepAR.
+on small synthetic data (no downloads): pytorch-forecasting's TemporalFusionTransformer, gluonts' DeepAR and
+neuralforecast's NHITS (through `muon_subclass`, as neuralforecast saves a model by its class name).
 
 Each trains, and its checkpoint loads back to the same model the way that library loads it: pytorch-forecasting
 keeps objects (its ``GroupNormalizer``) in the hyperparameters and loads with ``weights_only=False``; gluonts'
@@ -101,5 +102,67 @@ def test_deepar_trains_through_the_gluonts_estimator_and_restores_its_best_check
     assert routes["model.rnn.weight_ih_l0"] == ("AdamW", "input")
     assert routes["model.rnn.weight_hh_l0"] == ("Muon", "hidden")
     assert "model_kwargs" not in trained.trained_net.hparams  # it holds NormalOutput(): left out whole, with a warning
+    # DeepARLightningModule.__init__ is @validated(): a (*args, **kwargs) wrapper that refuses unknown keywords, so
+    # the mixin's own settings stay out (the parent's load_from_checkpoint would pass them to it).
+    assert set(trained.trained_net.hparams) == {"lr", "weight_decay", "patience"}
     forecast = next(iter(trained.predictor.predict(data)))
     assert forecast.mean.shape == (4,) and np.isfinite(forecast.mean).all()
+
+    # The checkpoint gluonts' ModelCheckpoint wrote loads wherever gluonts' own does. gluonts 0.17's module saves
+    # no hyperparameters (its estimator restores the weights into the module it built), so its own checkpoint
+    # needs model_kwargs passed to load_from_checkpoint: the mixin's fails without them as the parent's does ...
+    path = trained.trainer.checkpoint_callback.best_model_path
+    for loader in (MuonDeepAR, DeepARLightningModule):
+        with pytest.raises(Exception, match=r"model_kwargs\n  field required"):
+            loader.load_from_checkpoint(path)
+    # ... and loads with them, into the mixin class and into the parent, to the same weights and output.
+    model_kwargs = trained.trained_net.__init_args__["model_kwargs"]
+    inputs = trained.trained_net.inputs.zeros()
+    outputs = []
+    for loader in (MuonDeepAR, DeepARLightningModule):
+        loaded = loader.load_from_checkpoint(path, model_kwargs=model_kwargs).eval()
+        assert type(loaded) is loader
+        assert loaded.state_dict().keys() == trained.trained_net.state_dict().keys()
+        assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(),
+                                                     trained.trained_net.state_dict().values()))
+        torch.manual_seed(0)  # DeepAR's forward draws sample paths
+        with torch.no_grad():
+            outputs.append(loaded(**inputs))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.slow
+def test_nhits_under_muon_subclass_saves_and_loads_through_neuralforecast(tmp_path):
+    """neuralforecast saves a model by its class name (or its ``__base__``'s): `muon_subclass` is NHITS by name,
+    so ``NeuralForecast.save``/``load`` round-trip it (the load gives neuralforecast's plain NHITS, the same
+    forecast) and ``muon_subclass(NHITS).load`` gives the Muon class back."""
+    neuralforecast = pytest.importorskip("neuralforecast")
+    from neuralforecast.models import NHITS
+
+    from lightning_muon import muon_subclass
+
+    rng = np.random.default_rng(0)
+    frame = pd.DataFrame({"unique_id": np.repeat(["a", "b"], 60),
+                          "ds": np.tile(pd.date_range("2020-01-01", periods=60, freq="D"), 2)})
+    frame["y"] = np.sin(np.arange(120) / 5) + rng.normal(0, 0.1, 120)
+    MuonNHITS = muon_subclass(NHITS)
+    model = MuonNHITS(h=4, input_size=12, max_steps=3, batch_size=2, windows_batch_size=8, accelerator="cpu",
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      enable_checkpointing=False, default_root_dir=str(tmp_path))
+    forecaster = neuralforecast.NeuralForecast(models=[model], freq="D")
+    forecaster.fit(frame)
+    assert isinstance(forecaster.models[0], MuonNHITS)
+    assert forecaster.models[0].muon_roles is not None  # trained under the mixin: its first batch was traced
+    before = forecaster.predict()
+    forecaster.save(str(tmp_path / "saved"), overwrite=True)
+
+    loaded = neuralforecast.NeuralForecast.load(str(tmp_path / "saved"))
+    assert type(loaded.models[0]) is NHITS  # neuralforecast's own class, for serving
+    after = loaded.predict()
+    pd.testing.assert_frame_equal(after, before)
+
+    (file,) = (tmp_path / "saved").glob("NHITS_*.safetensors")
+    muon = MuonNHITS.load(str(file))
+    assert type(muon) is MuonNHITS
+    assert all(torch.equal(a, b) for a, b in zip(muon.state_dict().values(),
+                                                 forecaster.models[0].state_dict().values()))
