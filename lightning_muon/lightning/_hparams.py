@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
 
 
-def save_hyperparameters(module: LightningModule, config: MuonConfig) -> None:
+def save_hyperparameters(module: LightningModule, config: MuonConfig, mixin: type) -> None:
     """Called from the mixin's ``__init__`` after the parent's: what the parent saved, exactly as it saved it
     (objects included: its checkpoints load as they would without the mixin), with the mixin's own settings
     beside it as plain data. When the parent saved nothing, the constructor's arguments, those forwarded to the
@@ -35,7 +35,7 @@ def save_hyperparameters(module: LightningModule, config: MuonConfig) -> None:
         )
     # LightningCLI's config already has the mixin's settings, in its own form.
     own = {} if _compat.cli_class_path(saved_by_parent) is not None else config.to_hparams()
-    parent = _parent_class(module)
+    parent = _parent_class(module, mixin)
     if own and parent is not None and _refuses_what_lightning_passes(parent):
         saved_by_parent = {k: v for k, v in saved_by_parent.items() if k not in own}
         own = {}
@@ -50,11 +50,11 @@ def save_hyperparameters(module: LightningModule, config: MuonConfig) -> None:
     module.save_hyperparameters({**saved_by_parent, **own})
 
 
-def _parent_class(module: LightningModule) -> type | None:
-    """The class after the mixin in ``module``'s MRO: the one whose ``load_from_checkpoint`` serves the model."""
+def _parent_class(module: LightningModule, mixin: type) -> type | None:
+    """The class after ``mixin`` in ``module``'s MRO: the one whose ``load_from_checkpoint`` serves the model."""
     mro = type(module).__mro__
-    mixin = next((i for i, klass in enumerate(mro) if "_muon_step" in vars(klass)), None)
-    return mro[mixin + 1] if mixin is not None and mixin + 1 < len(mro) else None
+    index = mro.index(mixin) if mixin in mro else None
+    return mro[index + 1] if index is not None and index + 1 < len(mro) else None
 
 
 def _refuses_what_lightning_passes(parent: type) -> bool:

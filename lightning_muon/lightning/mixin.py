@@ -142,7 +142,7 @@ class MuonMixin(_LightningModuleBase):
         self._muon_fit: FitState | None = None
         #: What the first training batch showed (None until one is seen); kept in checkpoints.
         self._muon_roles: GraphRoles | None = None
-        save_hyperparameters(self, config)
+        save_hyperparameters(self, config, MuonMixin)
 
     # ------------------------------------------------ read-only surface (callbacks, commands)
 
