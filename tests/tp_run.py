@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_muon import MuonMixin
+from lightning_muon import Muon, MuonMixin
 
 from helpers import EndProcessGroup, SaveEveryRank, muon_factory
 
@@ -99,7 +99,9 @@ class MuonTinyLM(MuonMixin, TinyLM):
 
 
 class SaveRoles(L.Callback):
-    """Each rank writes the roles its first training batch showed, and the groups its optimizers hold."""
+    """Each rank writes the roles its first training batch showed, the groups its optimizers hold, and what its
+    Muon's strategy counted in the last step: where the work ran, the Newton-Schulz FLOPs this rank ran, the
+    bytes it sent, and the elements of the Muon matrices (whole)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -107,7 +109,15 @@ class SaveRoles(L.Callback):
     def on_train_end(self, trainer, pl_module):
         groups = [[(g["name"], list(g["param_names"])) for g in o.param_groups] for o in trainer.optimizers]
         roles = pl_module.muon_roles.to_dict()
-        torch.save({"roles": roles, "groups": groups}, self.directory / f"roles{trainer.global_rank}.pt")
+        (muon,) = [o for o in trainer.optimizers if isinstance(o, Muon)]
+        chosen = muon._choice.chosen  # private: the per-step counters are no public API
+        strategy = {
+            "kind": muon.strategy.kind, "fallback": muon.strategy.fallback, "ranks": muon.strategy.ranks,
+            "ns_flops": chosen.ns_flops, "sent": chosen.exchanged_bytes,
+            "numel": sum(p.numel() for g in muon.param_groups for p in g["params"]),
+        }
+        state = {"roles": roles, "groups": groups, "strategy": strategy}
+        torch.save(state, self.directory / f"roles{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":
