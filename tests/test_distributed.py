@@ -310,10 +310,14 @@ def test_orthogonalising_a_shard_is_not_orthogonalising_the_matrix():
 SHARDED_SHAPES = [(5, 3), (7, 7), (1, 4), (3, 2, 2, 2), (7, 7), (16, 8)]
 #: A second param group, orthogonalised in bf16 without Nesterov: two dtypes travel in one exchange.
 BF16_SHAPES = [(3, 3), (2, 9), (3, 3)]
-SHARDED_CASES = {  # name -> (shard dim, split_ns, fp32 group shapes, bf16 group shapes)
+SHARDED_CASES = {  # name -> (shard dim, or "mixed": 0 and 1 in turn; split_ns, fp32 group shapes, bf16 group shapes)
     "owners": (0, True, SHARDED_SHAPES, BF16_SHAPES),
     "every-rank": (0, False, SHARDED_SHAPES, BF16_SHAPES),
-    "dim1-fallback": (1, True, SHARDED_SHAPES, BF16_SHAPES),
+    # Tensor parallelism's rowwise weights: column shards (uneven, an empty one, a conv kernel's whole in-channels).
+    "columns": (1, True, [*SHARDED_SHAPES, (4, 1)], BF16_SHAPES),
+    # Colwise and rowwise weights on one mesh: the two 7x7 are cut both ways, one Newton-Schulz batch on one owner.
+    "mixed": ("mixed", True, SHARDED_SHAPES, BF16_SHAPES),
+    "dim2-fallback": (2, True, [(3, 2, 4, 2), (2, 3, 4)], []),
     "rank-1-owns-nothing": (0, True, [(1, 4)], []),  # rank 1 holds 0 rows of the only matrix
     "hsdp-2x2": (0, True, SHARDED_SHAPES, BF16_SHAPES),  # 2 replicas x 2 shards, (Replicate(), Shard(0))
 }
@@ -333,16 +337,21 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
     shape = MESHES.get(case, (2,))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=math.prod(shape))
     mesh = init_device_mesh("cpu", shape)
-    placements = [Shard(shard_dim)] if len(shape) == 1 else [Replicate(), Shard(shard_dim)]
     shapes = fp32_shapes + bf16_shapes
+    dims = [k % 2 for k in range(len(shapes))] if shard_dim == "mixed" else [shard_dim] * len(shapes)
+    placements = [[Shard(d)] if len(shape) == 1 else [Replicate(), Shard(d)] for d in dims]
     torch.manual_seed(0)
     initial = [torch.randn(shape) for shape in shapes]
     grads = [[torch.randn(shape) for shape in shapes] for _ in range(3)]
-    shard = functools.partial(distribute_tensor, device_mesh=mesh, placements=placements)
+
+    def shard(x: torch.Tensor, k: int) -> torch.Tensor:
+        """``x`` (parameter ``k``, or its gradient) on the mesh, with the placements of parameter ``k``."""
+        return distribute_tensor(x, mesh, placements[k])
+
     results = {}
-    modes = [("sharded", shard, split_ns), ("whole", lambda x: x, False)]
+    modes = [("sharded", shard, split_ns), ("whole", lambda x, k: x, False)]
     for name, place, split in modes + ([("rounds", shard, True)] if case == "owners" else []):
-        params = [nn.Parameter(place(x.clone())) for x in initial]
+        params = [nn.Parameter(place(x.clone(), k)) for k, x in enumerate(initial)]
         groups = [{"params": params[: len(fp32_shapes)], "ns_dtype": "float32"}]
         if bf16_shapes:
             groups.append({"params": params[len(fp32_shapes) :], "ns_dtype": "bfloat16", "nesterov": False})
@@ -354,7 +363,7 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
             for step, step_grads in enumerate(grads):
                 for i, (p, g) in enumerate(zip(params, step_grads)):
                     unused = step == 1 and i == 0  # no gradient on any rank for one step
-                    p.grad = None if unused else place(g)
+                    p.grad = None if unused else place(g, i)
                 optimizer.record_diagnostics()
                 optimizer.step()
                 chosen = optimizer._choice.chosen  # private: exchange rounds and buffers are no public API
@@ -381,7 +390,9 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
 SHARDED_PATHS = {
     "owners": (r"FSDP2 owner ranks: 2 ranks \(", False),
     "every-rank": (r"every rank gathers and orthogonalises every whole matrix \(split_ns=False\)", False),
-    "dim1-fallback": (r"every rank gathers .* \(not split: placements \(Shard\(dim=1\)\) on a 1-D mesh", True),
+    "columns": (r"tensor-parallel owner ranks: 2 ranks \(.* its rows or columns come back", False),
+    "mixed": (r"tensor-parallel owner ranks: 2 ranks \(", False),
+    "dim2-fallback": (r"every rank gathers .* \(not split: placements \(Shard\(dim=2\)\) on a 1-D mesh", True),
     "rank-1-owns-nothing": (r"FSDP2 owner ranks: 2 ranks \(", False),
     "hsdp-2x2": (r"FSDP2 owner ranks: the 2 ranks of the mesh's shard dim, repeated by each of its 2 replicas", False),
 }
@@ -392,10 +403,10 @@ SHARDED_PATHS = {
     "case", [pytest.param(c, marks=pytest.mark.slow) if c in MESHES else c for c in SHARDED_CASES]
 )
 def test_sharded_parameters_are_orthogonalised_whole(tmp_path, case):
-    """DTensor parameters (FSDP2's row shards, uneven and empty ones included) give the unsharded result:
-    through owner ranks and two all-to-alls (FSDP2's layout, and HSDP's within each replica), or gathered
-    whole on every rank (split off, other layouts); two param groups with different Newton-Schulz dtypes
-    share the exchange."""
+    """DTensor parameters (FSDP2's row shards, tensor parallelism's column shards and both mixed, uneven and
+    empty ones included) give the unsharded result: through owner ranks and two all-to-alls (FSDP2's and
+    tensor parallelism's layouts on a 1-D mesh, and HSDP's within each replica), or gathered whole on every
+    rank (split off, other layouts); two param groups with different Newton-Schulz dtypes share the exchange."""
     shard_dim, split_ns, fp32_shapes, bf16_shapes = SHARDED_CASES[case]
     shape = MESHES.get(case, (2,))
     world, replicas = math.prod(shape), shape[0] if len(shape) == 2 else 1
@@ -404,7 +415,7 @@ def test_sharded_parameters_are_orthogonalised_whole(tmp_path, case):
         start_method=START_METHOD,
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    owners = shard_dim == 0 and split_ns
+    owners = shard_dim in (0, 1, "mixed") and split_ns
     pattern, fallback = SHARDED_PATHS[case]
     assert re.search(pattern, ranks[0]["sharded"]["path"][0]) and ranks[0]["sharded"]["path"][1] == fallback
     # A fallback is a warning, once, on rank zero only (the other paths are an info line).

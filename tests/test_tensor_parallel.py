@@ -3,7 +3,9 @@ Lightning's tutorial plan makes the attention and feed-forward projections DTens
 norms and head plain tensors. The mixin's global gradient norm, its clipping (by norm and by value), its
 non-finite check and the weight health check run over that mix (`lightning_muon.optim._norms`): two ranks, and
 four in 2-D (FSDP2 over tensor parallel), train as one process does, with the same first-batch routing (they used
-to die in ``aten._foreach_norm``: "got mixed torch.Tensor and DTensor", or in 2-D on a mesh mismatch)."""
+to die in ``aten._foreach_norm``: "got mixed torch.Tensor and DTensor", or in 2-D on a mesh mismatch). Under TP(2)
+the Newton-Schulz work is split over the ranks (owner ranks gather the colwise weights' row shards and the rowwise
+weights' column shards), half each; 2-D still gathers every whole matrix on every rank (a fallback)."""
 
 from __future__ import annotations
 
@@ -64,12 +66,28 @@ def test_the_tutorial_plan_with_clipping_trains_as_one_process(tmp_path, algorit
     assert ranks[0]["world"] == 2
     assert single["roles"]["heads"] == ["lm_head.weight"] and single["roles"]["inputs"] == ["embedding.weight"]
     assert_as_one_process(single, ranks)
+    assert_split(single, ranks)
     # MuonMonitor's keys and numbers (lrs, orthogonality error of the updates, update RMS) are one process's
     one, tp = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "tp")
     keys = [k for k in one[0] if k.startswith(("lr-", "muon/"))]
     assert "muon/orthogonality_error" in keys and list(tp[0]) == list(one[0]) and len(tp) == len(one) == 4
     for a, b in zip(one, tp):
         assert [float(a[k]) for k in keys] == pytest.approx([float(b[k]) for k in keys], rel=1e-5)
+
+
+def assert_split(single: dict, ranks: list[dict]) -> None:
+    """The Newton-Schulz work split over the tensor-parallel ranks (the strategy's own FLOP count of the last
+    step): each rank's share within 1.2x of ``1 / world`` of one process's, all of it done once; every shard
+    sent once to its owner and once back (float32: 2 x 4 bytes a matrix element, in all)."""
+    world = len(ranks)
+    assert single["strategy"]["kind"] == "local"
+    total = single["strategy"]["ns_flops"]
+    shares = [r["strategy"]["ns_flops"] / total for r in ranks]
+    for r in ranks:
+        assert (r["strategy"]["kind"], r["strategy"]["ranks"], r["strategy"]["fallback"]) == ("sharded", world, False)
+    assert sum(shares) == pytest.approx(1.0)
+    assert max(shares) <= 1.2 / world, shares
+    assert sum(r["strategy"]["sent"] for r in ranks) == 2 * 4 * single["strategy"]["numel"]
 
 
 @pytest.mark.slow

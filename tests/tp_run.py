@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_muon import MuonMixin, MuonMonitor, MuonWithAdamW
+from lightning_muon import Muon, MuonMixin, MuonMonitor, MuonWithAdamW
 from lightning_muon.optim._dtensor import is_dtensor
 
 from helpers import EndProcessGroup, SaveCheckpointAtEnd, muon_factory
@@ -110,8 +110,10 @@ class OneOptimizerTinyLM(TinyLM):
 
 
 class SaveRank(L.Callback):
-    """Each rank writes its gathered parameters, the roles its first training batch showed (``None`` without
-    the mixin) and the groups its optimizers hold."""
+    """Each rank writes its gathered parameters, the roles its first training batch showed and the groups its
+    optimizers hold, and what its Muon's strategy counted in the last step: where the work ran, the
+    Newton-Schulz FLOPs this rank ran, the bytes it sent, and the elements of the Muon matrices (whole); ``None``
+    for the roles and the strategy without the mixin."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -121,8 +123,18 @@ class SaveRank(L.Callback):
                   for n, p in pl_module.named_parameters()}
         torch.save({"params": params, "world": trainer.world_size}, self.directory / f"rank{trainer.global_rank}.pt")
         groups = [[(g["name"], list(g["param_names"])) for g in o.param_groups] for o in trainer.optimizers]
-        roles = pl_module.muon_roles.to_dict() if isinstance(pl_module, MuonMixin) else None
-        torch.save({"roles": roles, "groups": groups}, self.directory / f"roles{trainer.global_rank}.pt")
+        roles = strategy = None
+        if isinstance(pl_module, MuonMixin):
+            roles = pl_module.muon_roles.to_dict()
+            (muon,) = [o for o in trainer.optimizers if isinstance(o, Muon)]
+            chosen = muon._choice.chosen  # private: the per-step counters are no public API
+            strategy = {
+                "kind": muon.strategy.kind, "fallback": muon.strategy.fallback, "ranks": muon.strategy.ranks,
+                "ns_flops": chosen.ns_flops, "sent": chosen.exchanged_bytes,
+                "numel": sum(p.numel() for g in muon.param_groups for p in g["params"]),
+            }
+        state = {"roles": roles, "groups": groups, "strategy": strategy}
+        torch.save(state, self.directory / f"roles{trainer.global_rank}.pt")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,11 @@ rank (the same FLOP-balanced assignment); one all-to-all sends every shard to
 its matrix's owner, the owner orthogonalises the whole matrix, and a second
 all-to-all sends every rank back its rows of the result. Momentum stays sharded.
 Under HSDP (a 2-D mesh: replicate, then shard) each replica does the same within
-its shard group.
+its shard group. Under tensor parallelism (a 1-D mesh) rowwise weights are
+sharded on dim 1: a column-sharded matrix is a row-sharded one transposed, so
+the same exchange moves every rank's columns instead of its rows
+(`ExchangeLayout.splits`), and the owner assembles and orthogonalises the whole
+matrix as stored, batched with the same-shape matrices of its job.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_muon.optim._dtensor import ROWS
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -57,11 +63,13 @@ def replicated_world(group: dist.ProcessGroup | None = None) -> World | None:
 def sharded_world(params: Sequence[Tensor], mesh: DeviceMesh | None = None) -> World | str:
     """The world of the FSDP2 owner exchange, or why these parameters have none (a sentence).
 
-    Every parameter must be a DTensor sharded on dim 0 over the same device mesh (``mesh``: the first
-    parameter's unless given): a 1-D mesh (FSDP2, placements ``(Shard(0),)``), or a 2-D mesh that replicates
-    on its first dim and shards on its second (HSDP, ``(Replicate(), Shard(0))``). The world is the shard dim's
-    ranks and process group; under HSDP each replica (`World.replicas`) repeats the same exchange and work on
-    its own identical shards.
+    Every parameter must be a DTensor over the same device mesh (``mesh``: the first parameter's unless given):
+    a 1-D mesh with each parameter sharded on dim 0 or dim 1 (FSDP2's ``(Shard(0),)``; tensor parallelism's
+    colwise ``(Shard(0),)`` and rowwise ``(Shard(1),)``, mixed), or a 2-D mesh that replicates on its first dim
+    and shards dim 0 on its second (HSDP, ``(Replicate(), Shard(0))``). The world is the shard dim's ranks and
+    process group; under HSDP each replica (`World.replicas`) repeats the same exchange and work on its own
+    identical shards. Other 2-D layouts (FSDP2 over tensor parallelism: ``(Shard(0), Shard(1))``,
+    ``(_StridedShard(0), Shard(0))``) have none.
     """
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -72,12 +80,12 @@ def sharded_world(params: Sequence[Tensor], mesh: DeviceMesh | None = None) -> W
     if any(p.device_mesh != mesh for p in dtensors):
         return "the Muon parameters live on different device meshes"
     placements = {tuple(p.placements) for p in dtensors}
-    expected = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-    if mesh.ndim > 2 or placements != {expected}:
+    expected = {(Shard(0),), (Shard(1),)} if mesh.ndim == 1 else {(Replicate(), Shard(0))}
+    if mesh.ndim > 2 or not placements <= expected:
         shown = ", ".join(sorted("(" + ", ".join(map(repr, ps)) + ")" for ps in placements))
         return (
-            f"placements {shown} on a {mesh.ndim}-D mesh are neither FSDP2's (Shard(dim=0)) nor HSDP's "
-            "(Replicate(), Shard(dim=0))"
+            f"placements {shown} on a {mesh.ndim}-D mesh are neither FSDP2's or tensor parallelism's "
+            "(Shard(dim=0), Shard(dim=1)) nor HSDP's (Replicate(), Shard(dim=0))"
         )
     dim = mesh.ndim - 1
     if mesh.size(dim) < 2:
@@ -150,6 +158,22 @@ class ExchangeLayout(NamedTuple):
     shape: tuple[int, int]
     #: The dtype the blocks travel (and are orthogonalised) in.
     dtype: torch.dtype
+    #: How the ranks' shards cut each block (`lightning_muon.optim._dtensor.matrix_split`), one ``(dim, unit)``
+    #: per block; empty: every block in row shards (FSDP2's layout; and replicated blocks, which are not cut).
+    splits: tuple[tuple[int, int], ...] = ()
+
+    def split(self, block: int) -> tuple[int, int]:
+        """``(dim, unit)`` of one block: along its rows (``dim`` 0) or columns (1), in multiples of ``unit``."""
+        return self.splits[block] if self.splits else ROWS
+
+    def parts(self, block: int, world_size: int) -> list[tuple[slice, slice]]:
+        """The part of a whole block each rank holds, by rank (`split_parts`)."""
+        return split_parts(self.shape, self.split(block), world_size)
+
+    def part_shape(self, part: tuple[slice, slice]) -> tuple[int, int]:
+        """The ``(rows, cols)`` of one part of a block (`parts`)."""
+        rows, cols = (len(range(*s.indices(size))) for s, size in zip(part, self.shape, strict=True))
+        return rows, cols
 
     @property
     def block_bytes(self) -> int:
@@ -256,6 +280,17 @@ def shard_rows(rows: int, world_size: int) -> list[int]:
     return [max(0, min(chunk, rows - rank * chunk)) for rank in range(world_size)]
 
 
+def split_parts(shape: tuple[int, int], split: tuple[int, int], world_size: int) -> list[tuple[slice, slice]]:
+    """The part of a whole ``shape`` matrix each rank holds, by rank, its shards cut as ``split`` says (``(dim,
+    unit)``, `lightning_muon.optim._dtensor.matrix_split`): its rows or its columns, `shard_rows`' split of the
+    sharded dim in multiples of ``unit`` (as DTensor's ``Shard`` of the parameter's dim 0 or 1)."""
+    dim, unit = split
+    extents = [count * unit for count in shard_rows(shape[dim] // unit, world_size)]
+    starts = [sum(extents[:rank]) for rank in range(world_size)]
+    cut = [slice(start, start + extent) for start, extent in zip(starts, extents, strict=True)]
+    return [(part, slice(None)) if dim == 0 else (slice(None), part) for part in cut]
+
+
 def _all_to_all(
     pieces: list[list[tuple[Tensor, torch.dtype]]],
     receive: list[list[tuple[tuple[int, int], torch.dtype]]],
@@ -296,13 +331,14 @@ def gather_to_owners(
     world: World,
     buffers: ExchangeBuffers | None = None,
 ) -> dict[int, Tensor]:
-    """Send every rank's row shards of each job's matrices to the job's owner, whole matrices come back.
+    """Send every rank's shards of each job's matrices to the job's owner, whole matrices come back.
 
     Args:
-        shards: per job, this rank's rows of each of its matrices (``(rows, n)``, any float dtype).
+        shards: per job, this rank's part of each of its matrices: its rows, or its columns (the layout's
+            `ExchangeLayout.splits`), any float dtype, any shape of that many elements.
         owners: the rank of every job (from `lightning_muon.optim._plan.assign_owners`), the same on every rank.
-        layouts: per job, how many matrices, their whole shape, and the dtype they travel (and are
-            orthogonalised) in.
+        layouts: per job, how many matrices, their whole shape, how they are cut, and the dtype they travel
+            (and are orthogonalised) in.
         buffers: kept exchange buffers to use (fresh ones without).
 
     Returns, for each job this rank owns, its matrices stacked whole: ``(blocks, m, n)`` in ``dtype``
@@ -312,11 +348,12 @@ def gather_to_owners(
     pieces: list[list] = [[] for _ in range(world.size)]
     receive: list[list] = [[] for _ in range(world.size)]
     for job, layout in enumerate(layouts):
-        (m, n), dtype = layout.shape, layout.dtype
-        pieces[owners[job]].extend((shard.reshape(-1, n), dtype) for shard in shards[job])
-        if owners[job] == world.rank:
-            for source, shard_height in enumerate(shard_rows(m, world.size)):
-                receive[source].extend([((shard_height, n), dtype)] * layout.blocks)
+        for block, shard in enumerate(shards[job]):
+            parts = layout.parts(block, world.size)
+            pieces[owners[job]].append((shard.reshape(layout.part_shape(parts[world.rank])), layout.dtype))
+            if owners[job] == world.rank:
+                for source, part in enumerate(parts):
+                    receive[source].append((layout.part_shape(part), layout.dtype))
     received = _all_to_all(pieces, receive, world, device, buffers)
     mine = [job for job in range(len(layouts)) if owners[job] == world.rank]
     stacks = _buffer(buffers, "stacks", sum(layouts[job].nbytes for job in mine), device)
@@ -325,15 +362,12 @@ def gather_to_owners(
     for job in mine:
         layout = layouts[job]
         blocks, (m, n) = layout.blocks, layout.shape
-        rows = shard_rows(m, world.size)
         nbytes = blocks * layout.block_bytes  # contiguous; the next stack starts 8-byte aligned
         stack = stacks[offset : offset + nbytes].view(layout.dtype).view(blocks, m, n)
         offset += layout.nbytes
         for i in range(blocks):
-            start = 0
-            for source in range(world.size):
-                stack[i, start : start + rows[source]] = received[source][taken[source] + i]
-                start += rows[source]
+            for source, part in enumerate(layout.parts(i, world.size)):
+                stack[i][part] = received[source][taken[source] + i]
         for source in range(world.size):
             taken[source] += blocks
         whole[job] = stack
@@ -348,27 +382,25 @@ def scatter_from_owners(
     device: torch.device,
     buffers: ExchangeBuffers | None = None,
 ) -> list[list[Tensor]]:
-    """The inverse of `gather_to_owners`: each owner sends every rank its rows of each whole result.
+    """The inverse of `gather_to_owners`: each owner sends every rank its part (rows or columns) of each whole
+    result.
 
     Args:
         whole: for each job this rank owns, its results ``(blocks, m, n)`` in the layout's dtype.
         device: where the receive buffer lives (the parameters' device).
         buffers: kept exchange buffers to use (fresh ones without).
 
-    Returns, per job, this rank's rows of each result (``(rows, n)`` views into one receive buffer).
+    Returns, per job, this rank's part of each result (``(rows, cols)`` views into one receive buffer).
     """
     pieces: list[list] = [[] for _ in range(world.size)]
     receive: list[list] = [[] for _ in range(world.size)]
     for job, layout in enumerate(layouts):
-        (m, n), dtype = layout.shape, layout.dtype
-        rows = shard_rows(m, world.size)
-        receive[owners[job]].extend([((rows[world.rank], n), dtype)] * layout.blocks)
-        if owners[job] == world.rank:
-            for i in range(layout.blocks):
-                start = 0
-                for dest in range(world.size):
-                    pieces[dest].append((whole[job][i, start : start + rows[dest]], dtype))
-                    start += rows[dest]
+        for i in range(layout.blocks):
+            parts = layout.parts(i, world.size)
+            receive[owners[job]].append((layout.part_shape(parts[world.rank]), layout.dtype))
+            if owners[job] == world.rank:
+                for dest, part in enumerate(parts):
+                    pieces[dest].append((whole[job][i][part], layout.dtype))
     received = _all_to_all(pieces, receive, world, device, buffers)
     result, taken = [], [0] * world.size
     for job, layout in enumerate(layouts):

@@ -24,9 +24,9 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from lightning_muon.optim._collectives import ExchangeLayout, shard_rows
+from lightning_muon.optim._collectives import ExchangeLayout, split_parts
+from lightning_muon.optim._dtensor import ROWS
 from lightning_muon.optim._update import Bucket
-from lightning_muon.optim.groups import ns_dtype
 
 T = TypeVar("T")
 
@@ -133,12 +133,16 @@ def balance(buckets: Sequence[Bucket], jobs: Sequence[Job], world_size: int) -> 
 
 def param_exchange_bytes(bucket: Bucket, world_size: int) -> tuple[int, int]:
     """What one parameter of the bucket weighs in an FSDP2 exchange buffer: ``(whole, rows)``, the bytes its
-    owner receives (every rank's row shard, each 8-byte aligned; as much again for the stack and the results
-    it sends back), and the most bytes any rank sends of it (the first rank's rows, the longest)."""
-    (m, n), dtype = bucket.exchange_layout.shape, ns_dtype(bucket.group)
-    heights = shard_rows(m, world_size)
-    whole = sum(ExchangeLayout(1, (h, n), dtype).nbytes for h in heights)
-    return whole, ExchangeLayout(1, (heights[0], n), dtype).nbytes
+    owner receives (every rank's shard, each 8-byte aligned; as much again for the stack and the results it
+    sends back), and the most bytes any rank sends of it (the first rank's part, the largest). Where the bucket
+    mixes row and column shards (tensor parallelism), the larger of each over its parameters."""
+    layout = bucket.exchange_layout
+    whole, rows = 0, 0
+    for split in set(layout.splits) or {ROWS}:
+        shapes = [layout.part_shape(part) for part in split_parts(layout.shape, split, world_size)]
+        whole = max(whole, sum(ExchangeLayout(1, shape, layout.dtype).nbytes for shape in shapes))
+        rows = max(rows, ExchangeLayout(1, shapes[0], layout.dtype).nbytes)
+    return whole, rows
 
 
 def round_bytes(buckets: Sequence[Bucket], jobs: Sequence[Job], world_size: int) -> tuple[int, int]:

@@ -9,10 +9,12 @@ and says which:
   whole: a fallback, said in a rank-zero warning);
 - `ReplicatedStep` (DDP): each rank orthogonalises a FLOP-balanced share of the
   matrices, the results are all-gathered, every rank applies every update;
-- `ShardedStep` (FSDP2, DTensors ``Shard(0)`` on a 1-D mesh; HSDP, ``(Replicate(),
-  Shard(0))`` on a 2-D mesh, within each replica's shard group): each matrix's row
+- `ShardedStep` (FSDP2, DTensors ``Shard(0)`` on a 1-D mesh; tensor parallelism,
+  ``Shard(0)`` and ``Shard(1)`` on a 1-D mesh; HSDP, ``(Replicate(), Shard(0))`` on
+  a 2-D mesh, within each replica's shard group): each matrix's row (or column)
   shards go to an owner rank, which orthogonalises the whole matrices and sends
-  every rank back its rows.
+  every rank back its rows (or columns). FSDP2 over tensor parallelism (2-D
+  placements with two shards) falls back to `LocalStep`.
 
 The two distributed ones are `DistributedStep`s: they hold their `World` (which ranks share the work) from
 construction on. Owners are assigned per parameter, each bucket cut into one job per owner
@@ -85,6 +87,9 @@ class Strategy(ABC):
         self.complete_state = complete_state
         #: Bytes this rank sent in the last step's exchanges.
         self.exchanged_bytes = 0
+        #: Newton-Schulz FLOPs this rank ran in the last step, as the planner counts them (`Bucket.flops`): what
+        #: splitting the work divides between the ranks.
+        self.ns_flops = 0
 
     def agree(self, flags: list[bool], device: torch.device) -> list[bool]:
         """``flags`` (one per parameter: has it a gradient?) as every rank that takes part sees them: here,
@@ -121,6 +126,7 @@ class LocalStep(Strategy):
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
         diagnostics: list[ParamDiagnostics] = []
+        self.ns_flops = sum(bucket.flops for bucket in buckets)
         # Call by call (a bucket, or one with its transposed twin: `ns_batches`), so a matrix's buffer and
         # gradient are still in cache for its whole update (on CPU, sweeping every buffer first and
         # orthogonalising afterwards measured slower).
@@ -185,6 +191,7 @@ class ReplicatedStep(DistributedStep):
         for j, (job, part) in enumerate(zip(jobs, parts, strict=True)):
             if job.owner == rank:
                 local[j] = _update.orthogonalise_buckets([part], [_update.momentum(part)])[0]
+        self.ns_flops = sum(part.flops for job, part in zip(jobs, parts, strict=True) if job.owner == rank)
         # Every rank keeps every momentum buffer; only the owner needs the update itself.
         mine = {job.bucket: set(job.indices) for job in jobs if job.owner == rank}
         for b, bucket in enumerate(buckets):
@@ -207,6 +214,10 @@ class ReplicatedStep(DistributedStep):
 class ShardedStep(DistributedStep):
     """FSDP2: each job's row shards go to its owner rank, which orthogonalises the whole matrices and
     sends every rank back its rows of the result; every rank applies its own rows. Momentum stays sharded.
+    Tensor parallelism on a 1-D mesh the same way: a rowwise weight (``Shard(1)``) is a row-sharded matrix
+    transposed, its columns travel instead of its rows (``columns``: some do, said in the description), and
+    the owner orthogonalises the whole matrix as stored, batched with its job's other same-shape matrices
+    whichever way they are cut.
 
     The exchanges run in rounds (`lightning_muon.optim._plan.exchange_rounds`, every owner busy in each):
     every exchange buffer holds at most ``max(round_bytes, P)`` bytes per rank, ``P`` about one parameter's
@@ -221,7 +232,7 @@ class ShardedStep(DistributedStep):
     kind = "sharded"
     whole_dtensors = False
 
-    def __init__(self, world: World, *, round_bytes: int = EXCHANGE_ROUND_BYTES) -> None:
+    def __init__(self, world: World, *, round_bytes: int = EXCHANGE_ROUND_BYTES, columns: bool = False) -> None:
         where = f"{world.size} ranks"
         if world.replicas > 1:
             where = f"the {world.size} ranks of the mesh's shard dim, repeated by each of its {world.replicas} replicas"
@@ -230,8 +241,9 @@ class ShardedStep(DistributedStep):
         super().__init__(
             world,
             make_agreement(None if spans else world.group),
-            f"Newton-Schulz on FSDP2 owner ranks: {where} (each matrix's shards go to one owner and its rows come "
-            f"back, in rounds of at most {round_bytes / 2**20:g} MiB per exchange buffer)",
+            f"Newton-Schulz on {'tensor-parallel' if columns else 'FSDP2'} owner ranks: {where} (each matrix's "
+            f"shards go to one owner and its {'rows or columns come' if columns else 'rows come'} back, in rounds "
+            f"of at most {round_bytes / 2**20:g} MiB per exchange buffer)",
             complete_state=True,
         )
         #: Most bytes one exchange buffer holds in a round.
@@ -244,7 +256,7 @@ class ShardedStep(DistributedStep):
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
         self.exchanged_bytes = self.buffers.largest = 0
-        self.rounds = self.largest_buffer = 0
+        self.rounds = self.largest_buffer = self.ns_flops = 0
         if not buckets:  # the same on every rank: which parameters have gradients was agreed
             return []
         # The local shards (views: in-place updates reach the DTensors) do all the elementwise work.
@@ -284,6 +296,7 @@ class ShardedStep(DistributedStep):
         layouts = [buckets[job.bucket].subset(job.indices).exchange_layout for job in jobs]
         whole = gather_to_owners(shards, owners, layouts, self.world, self.buffers)
         results = {j: _update.orthogonalise(buckets[jobs[j].bucket].group, stack) for j, stack in whole.items()}
+        self.ns_flops += sum(buckets[jobs[j].bucket].subset(jobs[j].indices).flops for j in whole)
         device = local[0].params[0].device
         mine = scatter_from_owners(results, owners, layouts, self.world, device, self.buffers)
         self.exchanged_bytes += sum(

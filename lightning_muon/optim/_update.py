@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_muon.optim._collectives import ExchangeLayout
-from lightning_muon.optim._dtensor import is_dtensor
+from lightning_muon.optim._dtensor import ROWS, is_dtensor, matrix_split
 from lightning_muon.optim.groups import (
     batch_cap,
     describe_param,
@@ -95,9 +95,13 @@ class Bucket(NamedTuple):
     @property
     def exchange_layout(self) -> ExchangeLayout:
         """What a distributed exchange needs to know of the bucket: one 2D block per parameter (its matrices one
-        under the other), in the group's Newton-Schulz dtype."""
+        under the other), in the group's Newton-Schulz dtype, and how the ranks' shards cut each block where
+        some are column shards (tensor parallelism's rowwise weights: `matrix_split`)."""
         m, n = self.shape
-        return ExchangeLayout(len(self.params), (m * self.per_param, n), ns_dtype(self.group))
+        splits = tuple(matrix_split(p) for p in self.params)
+        rows_only = all(split == ROWS for split in splits)
+        layout = ExchangeLayout(len(self.params), (m * self.per_param, n), ns_dtype(self.group))
+        return layout if rows_only else layout._replace(splits=splits)
 
     def local(self) -> Bucket:
         """The bucket on this rank's shards (views: in-place updates reach the DTensors)."""

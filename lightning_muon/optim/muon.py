@@ -167,7 +167,8 @@ class Muon(Optimizer):
             results are all-gathered (one copy of the updates in ``ns_dtype``); every rank still keeps
             every momentum buffer. Under FSDP2 (DTensor parameters sharded on dim 0 over one mesh) each
             matrix's shards are sent to an owner rank, which orthogonalises the whole matrix and sends
-            every rank back its rows; momentum stays sharded (HSDP: within each replica's shard group).
+            every rank back its rows; momentum stays sharded (HSDP: within each replica's shard group;
+            tensor parallelism on a 1-D mesh: dim-0 and dim-1 shards, rows or columns travel).
             ``False``: every rank does all the work, as ``torch.optim.Muon`` (under FSDP2 every rank
             gathers and orthogonalises every whole matrix). Newton-Schulz never runs on a shard.
         process_group: the ranks that split the work of replicated (DDP) parameters (default: the default
