@@ -34,12 +34,16 @@ def optimizer_names(routing: Routing) -> dict[str, list[str]]:
     return {MUON: routing.names(MUON), ADAMW: routing.names(ADAMW)}
 
 
-def record(routing: Routing, roles: GraphRoles | None, loop_state: dict[str, int]) -> dict[str, Any]:
+def record(
+    routing: Routing, roles: GraphRoles | None, loop_state: dict[str, int], settings: dict[str, Any]
+) -> dict[str, Any]:
     """What a checkpoint holds under `CHECKPOINT_KEY`: each optimizer's parameter names, every routed
-    parameter's shape, the first batch's roles (where one was seen) and the update loop's counters."""
+    parameter's shape, the first batch's roles (where one was seen), the update loop's counters and the mixin's
+    settings as plain data (``settings``, `MuonConfig.to_hparams`)."""
     saved: dict[str, Any] = {
         "routing": optimizer_names(routing),
         "shapes": {r.name: list(r.shape) for r in routing.routes},
+        "settings": settings,
         **loop_state,
     }
     if roles is not None:

@@ -4,7 +4,8 @@ mixin's own settings beside it as plain data, so a mixin checkpoint loads wherev
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -13,6 +14,9 @@ from lightning_muon.lightning._config import MuonConfig, plain_data
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
+
+_log = logging.getLogger("lightning_muon")
+
 
 
 def save_hyperparameters(module: LightningModule, config: MuonConfig, mixin: type) -> None:
@@ -39,12 +43,11 @@ def save_hyperparameters(module: LightningModule, config: MuonConfig, mixin: typ
     if own and parent is not None and _refuses_what_lightning_passes(parent):
         saved_by_parent = {k: v for k, v in saved_by_parent.items() if k not in own}
         own = {}
-        rank_zero_warn(
-            f"MuonMixin left its own settings out of the saved hyperparameters: {parent.__name__}.__init__ is "
-            "wrapped (by a decorator) to take any keyword, so load_from_checkpoint would pass them all, and the "
-            f"constructor it wraps refuses them. {parent.__name__}.load_from_checkpoint works on this checkpoint; "
-            f"{type(module).__name__}.load_from_checkpoint builds with the mixin's defaults unless they are "
-            "passed again."
+        _log.info(
+            "MuonMixin keeps its own settings in its checkpoint record, not in the saved hyperparameters: "
+            "%s.__init__ is wrapped (by a decorator) to take any keyword, so %s.load_from_checkpoint would pass "
+            "them to the constructor it wraps, which refuses them. %s.load_from_checkpoint restores them.",
+            parent.__name__, parent.__name__, type(module).__name__,
         )
     module.hparams.clear()  # save_hyperparameters(dict) updates: start from the chosen set alone
     module.save_hyperparameters({**saved_by_parent, **own})
@@ -69,3 +72,31 @@ def _refuses_what_lightning_passes(parent: type) -> bool:
     except (TypeError, ValueError):
         return False
     return passes_all and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def settings_from_checkpoint(
+    checkpoint: dict[str, Any], saved: dict[str, Any], config: MuonConfig, mixin: type
+) -> MuonConfig:
+    """The config a module built by ``load_from_checkpoint`` should hold: ``config`` (what it was built with),
+    with the settings of the checkpoint's record (``saved``) put back where the hyperparameters left them out
+    (a parent whose ``__init__`` a decorator wraps, see `save_hyperparameters`) and the module was built with
+    the default. A setting passed to ``load_from_checkpoint`` (not the default) stands, as for hyperparameters."""
+    recorded = saved.get("settings")
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if not isinstance(recorded, dict) or "muon" in hparams or _compat.cli_class_path(hparams) is not None:
+        return config  # the hyperparameters rebuilt the settings already (or an older record has none)
+    current, default = config.to_hparams(), _defaults(mixin).to_hparams()
+    restored = {
+        name: value for name, value in recorded.items()
+        if name in current and current[name] == default[name] and value != current[name]
+    }
+    if not restored:
+        return config
+    _log.info("MuonMixin took its settings from the checkpoint's record: %s", restored)
+    return MuonConfig.from_arguments(**{**current, **restored})
+
+
+def _defaults(mixin: type) -> MuonConfig:
+    """The config of a mixin built without arguments: its constructor's keyword-only defaults."""
+    parameters = inspect.signature(mixin.__init__).parameters.values()  # type: ignore[misc]
+    return MuonConfig.from_arguments(**{p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY})

@@ -37,7 +37,7 @@ from lightning_muon.lightning import _checkpoint, _checks, _compat
 from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig
 from lightning_muon.lightning._first_batch import routing_for, saved_roles
 from lightning_muon.lightning._fit import FitState, build_optimizers
-from lightning_muon.lightning._hparams import save_hyperparameters
+from lightning_muon.lightning._hparams import save_hyperparameters, settings_from_checkpoint
 from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings, bind_step
 from lightning_muon.routing import GraphRoles, Routing
 
@@ -229,8 +229,7 @@ class MuonMixin(_LightningModuleBase):
         self._muon_loop.on_train_epoch_end(self)
 
     def teardown(self, stage: str) -> None:
-        if stage == "fit" and self._muon_fit is not None:
-            # The Trainer's flags back; with muon=None, lr_find's suggestion becomes AdamW's lr.
+        if stage == "fit" and self._muon_fit is not None:  # the Trainer's flags back, lr_find's suggestion kept
             self._muon_config = self._muon_fit.teardown(self, self._muon_config)
             self._muon_fit = None
         super().teardown(stage)
@@ -289,8 +288,8 @@ class MuonMixin(_LightningModuleBase):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        record = _checkpoint.record(self.muon_routing(), self._muon_roles, self._muon_loop.state_dict())
-        checkpoint[_checkpoint.CHECKPOINT_KEY] = record
+        checkpoint[_checkpoint.CHECKPOINT_KEY] = _checkpoint.record(
+            self.muon_routing(), self._muon_roles, self._muon_loop.state_dict(), self._muon_config.to_hparams())
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -299,6 +298,8 @@ class MuonMixin(_LightningModuleBase):
         saved = _checkpoint.saved_record(checkpoint, resuming)
         if saved is None:
             return
+        if trainer is None:  # built by load_from_checkpoint: the settings its hyperparameters could not hold
+            self._muon_config = settings_from_checkpoint(checkpoint, saved, self._muon_config, MuonMixin)
         self._load_roles(saved, resuming)
         if resuming:  # optimizer states follow: they must meet the parameters they were saved for
             _checkpoint.check_resume(saved, self.muon_routing(), self)
@@ -307,8 +308,7 @@ class MuonMixin(_LightningModuleBase):
     def _load_roles(self, saved: dict[str, Any], resuming: bool) -> None:
         """Take the roles a checkpoint's record trained with; a fit's optimizers, where built already (FSDP2
         restores after setup) and still without state, then hold the routing they give."""
-        roles = saved_roles(saved, resuming)
-        if roles is not None:
+        if (roles := saved_roles(saved, resuming)) is not None:
             self._muon_roles = roles
         if resuming and self._muon_fit is not None:
             self._muon_fit.hold(self.trainer, self.muon_routing())

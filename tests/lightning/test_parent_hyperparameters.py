@@ -8,6 +8,9 @@ anyway, and a model rebuilt without them is a different model.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import lightning as L
 import pytest
 import torch
@@ -131,3 +134,55 @@ def test_an_argument_holding_an_object_is_left_out_whole_saying_where_when_the_p
         loaded = MuonSavesNothing.load_from_checkpoint(path, weights_only=True, model_kwargs=kwargs)
     x = torch.randn(5, 4)
     assert torch.equal(loaded(x), model(x))
+
+
+def refusing_unknown_keywords(init):
+    """A decorator in the manner of gluonts' ``@validated()``: a ``(*args, **kwargs)`` wrapper (all that
+    Lightning's ``getfullargspec`` sees, so load_from_checkpoint passes every saved key) around a constructor
+    that names its arguments and refuses any other."""
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        inspect.signature(init).bind(self, *args, **kwargs)  # TypeError on an unknown keyword
+        init(self, *args, **kwargs)
+
+    return wrapper
+
+
+class Validated(Forecaster):
+    @refusing_unknown_keywords
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__(hidden=hidden)
+        self.hparams.clear()
+        self.save_hyperparameters({"hidden": hidden})  # its own constructor's arguments alone
+
+
+class MuonValidated(MuonMixin, Validated):
+    pass
+
+
+def test_settings_a_decorated_parent_cannot_take_come_back_from_the_record(tmp_path, caplog):
+    """The mixin's settings stay out of the hyperparameters where the parent's load_from_checkpoint would pass
+    them to a constructor that refuses them; the mixin's own load_from_checkpoint takes them from its record,
+    except those passed to it (not the default), as Lightning does with hyperparameters."""
+    muon = {"class_path": "lightning_muon.Muon", "init_args": {"lr": 0.05}}
+    model = MuonValidated(hidden=8, muon=muon, gradient_clip_val=1.0, muon_params=["net.0.weight"])
+    assert set(model.hparams) == {"hidden"}
+    path = fitted(tmp_path, model)
+    assert type(Validated.load_from_checkpoint(path, weights_only=True)) is Validated  # the parent's load works
+    with caplog.at_level("INFO", logger="lightning_muon"):
+        loaded = MuonValidated.load_from_checkpoint(path, weights_only=True)
+    assert loaded._muon_config == model._muon_config
+    assert "took its settings from the checkpoint's record" in caplog.text
+    assert loaded.muon_routing().names("Muon") == model.muon_routing().names("Muon") == ["net.0.weight", "net.2.weight"]
+    loaded = MuonValidated.load_from_checkpoint(path, weights_only=True, gradient_clip_val=0.5)
+    assert loaded._muon_config.gradient_clip_val == 0.5  # passed: it stands
+    assert loaded._muon_config.muon == model._muon_config.muon and loaded._muon_config.muon_params == ("net.0.weight",)
+
+
+def test_settings_in_the_hyperparameters_are_not_overridden_by_the_record(tmp_path):
+    """Where the hyperparameters hold the settings, load_from_checkpoint's arguments decide, as without a record."""
+    model = MuonForecaster(hidden=8, gradient_clip_val=1.0)
+    path = fitted(tmp_path, model)
+    loaded = MuonForecaster.load_from_checkpoint(path, weights_only=False, gradient_clip_val=None)
+    assert loaded._muon_config.gradient_clip_val is None
