@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
-from helpers import EndProcessGroup, MuonNet, SaveCheckpointAtEnd, SaveEveryRank, muon_factory
+from helpers import EndProcessGroup, MuonNet, SaveEveryRank, epoch_checkpoints, muon_factory
 
 
 class ShardedNet(MuonNet):
@@ -49,7 +49,7 @@ if __name__ == "__main__":
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--ckpt", default=None)
-    parser.add_argument("--save", type=Path, default=None)
+    parser.add_argument("--save", type=Path, default=None, help="keep every epoch's checkpoint in this directory")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--first-layer-on-muon", action="store_true")
@@ -67,7 +67,7 @@ if __name__ == "__main__":
         adamw_params=["net.8.*"],
         accumulate_grad_batches=args.accumulate,
     )
-    callbacks = [SaveEveryRank(args.out), EndProcessGroup()] + ([SaveCheckpointAtEnd(args.save)] if args.save else [])
+    callbacks = [SaveEveryRank(args.out), EndProcessGroup()] + ([epoch_checkpoints(args.save)] if args.save else [])
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -75,7 +75,7 @@ if __name__ == "__main__":
         max_steps=args.max_steps,
         max_epochs=args.max_epochs,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.save is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=callbacks,

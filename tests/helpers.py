@@ -19,6 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -237,6 +238,14 @@ class SaveEveryRank(L.Callback):
             "world": dist.get_world_size() if dist.is_initialized() else 1,
         }
         torch.save(state, self.directory / f"rank{trainer.global_rank}.pt")
+
+
+def epoch_checkpoints(directory: Path) -> ModelCheckpoint:
+    """Lightning's own epoch-end checkpoints, as a user keeps them: ``epoch0.ckpt``, ``epoch1.ckpt``, ... in
+    ``directory`` (saved after the module's ``on_train_epoch_end``). A resume test saves them during the
+    uninterrupted run and resumes from one: one fit fewer than stopping a run to save."""
+    return ModelCheckpoint(dirpath=directory, filename="epoch{epoch}", auto_insert_metric_name=False, save_top_k=-1,
+                           every_n_epochs=1)
 
 
 class SaveCheckpointAtEnd(L.Callback):

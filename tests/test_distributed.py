@@ -37,8 +37,8 @@ from helpers import (
     START_METHOD,
     EndProcessGroup,
     MuonNet,
-    SaveCheckpointAtEnd,
     SaveEveryRank,
+    epoch_checkpoints,
     make_trainer,
     muon_factory,
 )
@@ -553,22 +553,23 @@ def test_accumulation_syncs_gradients_only_on_the_last_micro_batch(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_resume_from_an_epoch_boundary_equals_the_uninterrupted_run(tmp_path):
-    def fit(out: Path, epochs: int, ckpt_path: Path | None = None, save: Path | None = None) -> None:
+    """The uninterrupted run keeps Lightning's epoch-end checkpoints; a run resumed from the first one ends on
+    the same weights, bit for bit, on both ranks."""
+
+    def fit(out: Path, ckpt_path: Path | None = None, save: Path | None = None) -> None:
         L.seed_everything(0)
         model = MuonNet(batch_size=4, muon=muon_factory(), muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
         out.mkdir(parents=True)
-        callbacks = [SaveEveryRank(out), EndProcessGroup()] + ([SaveCheckpointAtEnd(save)] if save else [])
+        callbacks = [SaveEveryRank(out), EndProcessGroup()] + ([epoch_checkpoints(save)] if save else [])
         trainer = L.Trainer(
-            accelerator="cpu", devices=2, max_epochs=epochs, logger=False, enable_checkpointing=False,
+            accelerator="cpu", devices=2, max_epochs=2, logger=False, enable_checkpointing=save is not None,
             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
             strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo", find_unused_parameters=True),
         )
         trainer.fit(model, ckpt_path=ckpt_path)
 
-    checkpoint = tmp_path / "epoch1.ckpt"
-    fit(tmp_path / "straight", epochs=2)
-    fit(tmp_path / "first", epochs=1, save=checkpoint)
-    fit(tmp_path / "resumed", epochs=2, ckpt_path=checkpoint)
+    fit(tmp_path / "straight", save=tmp_path / "checkpoints")
+    fit(tmp_path / "resumed", ckpt_path=tmp_path / "checkpoints" / "epoch0.ckpt")
     straight = torch.load(tmp_path / "straight" / "rank0.pt")["params"]
     for r in range(2):
         resumed = torch.load(tmp_path / "resumed" / f"rank{r}.pt")["params"]
@@ -598,14 +599,9 @@ def test_none_loss_under_ddp_is_refused_rather_than_hanging(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path):
-    checkpoint = tmp_path / "epoch1.ckpt"
-    runs = {
-        "straight": ["--max-epochs", "2"],
-        "first": ["--max-epochs", "1", "--save", str(checkpoint)],
-        "resumed": ["--max-epochs", "2", "--ckpt", str(checkpoint)],
-    }
-    for name, args in runs.items():
-        run_fsdp2(tmp_path / name, *args)
+    checkpoint = tmp_path / "checkpoints" / "epoch0.ckpt"  # kept by the uninterrupted run, at its first epoch's end
+    run_fsdp2(tmp_path / "straight", "--max-epochs", "2", "--save", str(tmp_path / "checkpoints"))
+    run_fsdp2(tmp_path / "resumed", "--max-epochs", "2", "--ckpt", str(checkpoint))
     assert checkpoint.is_dir()  # sharded: torch.distributed.checkpoint, not one file
     straight = torch.load(tmp_path / "straight" / "rank0.pt")["params"]
     for r in range(2):
