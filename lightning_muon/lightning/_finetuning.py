@@ -93,8 +93,13 @@ class Finetuning:
         self._own = []
 
     def _wrap(self, callback: Any) -> None:
-        self._own.append((callback, {name: vars(callback).get(name) for name in WRAPPED}))
-        epoch_start, state_dict = callback.on_train_epoch_start, callback.state_dict
+        own = {name: _own(callback, name) for name in WRAPPED}
+        self._own.append((callback, own))
+
+        def original(name: str) -> Callable[..., Any]:
+            return own[name] if own[name] is not None else getattr(type(callback), name).__get__(callback)
+
+        epoch_start, state_dict = original("on_train_epoch_start"), original("state_dict")
 
         def on_train_epoch_start(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             self._before = [len(o.param_groups) for o in trainer.optimizers]
@@ -107,10 +112,13 @@ class Finetuning:
             _compat.store_finetuning_groups(callback, self.module, self.trainer.optimizers)
             return state_dict()
 
-        callback.on_train_epoch_start = on_train_epoch_start
-        callback.state_dict = stored_state_dict
+        wrappers: dict[str, Callable[..., Any]] = {"on_train_epoch_start": on_train_epoch_start,
+                                                   "state_dict": stored_state_dict}
         if callback.state_key in self.backbone_lrs:
-            callback.finetune_function = self._per_optimizer(callback, callback.finetune_function)
+            wrappers["finetune_function"] = self._per_optimizer(callback, original("finetune_function"))
+        for name, wrapper in wrappers.items():
+            wrapper._muon_own = own[name]  # type: ignore[attr-defined]
+            setattr(callback, name, wrapper)
 
     def _per_optimizer(self, callback: Any, finetune: Callable[..., None]) -> Callable[..., None]:
         """``BackboneFinetuning.finetune_function`` with the optimizer's own previous backbone lr."""
@@ -152,6 +160,13 @@ class Finetuning:
                 "callback sets the lr of the last group alone. Let `pl_module.backbone` hold exactly the parameters "
                 "to unfreeze, frozen until then (none trainable already, none shared with the rest of the model)."
             )
+
+
+def _own(callback: Any, name: str) -> Any:
+    """The callback's own instance attribute ``name`` (``None``: its class's method), under a wrapper a fit that
+    ended in an error left there (its ``teardown`` never ran)."""
+    value = vars(callback).get(name)
+    return getattr(value, "_muon_own", value)
 
 
 def restores_groups(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:

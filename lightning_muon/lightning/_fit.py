@@ -91,15 +91,12 @@ class FitState:
         distributed checkpoint's record to ``load_roles`` first; take ``torch.compile``'s compiler off the step."""
         trainer = module.trainer
         _checks.check_callbacks(module, config.muon_enabled)
-        callbacks = _compat.trainer_callbacks(trainer)
-        _unfreezing.check_finetuning_callbacks(callbacks, config.muon_enabled)
         flags = _compat.take_trainer_flags(trainer)
         try:
             fit = resolve(config, flags)
         except Exception:
             _compat.restore_trainer_flags(trainer, flags)
             raise
-        fit.keeps_optimizers = config.muon_enabled and bool(_unfreezing.finetuning_callbacks(callbacks))
         fit._wrap_load(trainer.strategy, load_roles)
         fit.compiler = _compat.take_compiled_training_step(module)
         return fit
@@ -117,8 +114,13 @@ class FitState:
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Lightning's loop already knows how to count accumulated batches (logger steps, validation zero_grad,
-        ``estimated_stepping_batches``): give it the fit's number."""
+        ``estimated_stepping_batches``): give it the fit's number. The fit's callbacks are all attached now (the
+        module's ``configure_callbacks`` too): refuse a finetuning callback that cannot work with the pair, and
+        keep both optimizers where one may come."""
         _compat.set_accumulate_grad_batches(trainer, self.accumulation_at(trainer.current_epoch))
+        callbacks = _compat.trainer_callbacks(trainer)
+        _unfreezing.check_finetuning_callbacks(callbacks, self.config.muon_enabled)
+        self.keeps_optimizers = self.config.muon_enabled and bool(_unfreezing.finetuning_callbacks(callbacks))
 
     def configure_optimizers(self, optimizer_config: MuonConfig, built: dict[str, Optimizer],
                              schedulers: list[dict[str, Any]], routing: Callable[[], Routing]) -> None:

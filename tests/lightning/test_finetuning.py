@@ -104,11 +104,11 @@ def test_a_routing_with_nothing_on_muon_trains_and_resumes_on_adamw_alone(tmp_pa
 # ------------------------------------------------------------------ parameters unfrozen during a fit
 
 
-def finetuning_classes(pl, mix=True):
+def finetuning_classes(pl, mix=True, own_callbacks=list):
     """A module of package ``pl`` with a ``backbone`` (Linear, LayerNorm, Linear), a hidden ``mix`` layer (without
-    ``mix``: the backbone and the head alone, so nothing trains on Muon until the unfreeze) and a head, and a
-    BaseFinetuning of that package that freezes the backbone and unfreezes it at epoch 1 (Lightning's documented
-    pattern)."""
+    ``mix``: the backbone and the head alone, so nothing trains on Muon until the unfreeze) and a head (its
+    ``configure_callbacks`` returns ``own_callbacks()``), and a BaseFinetuning of that package that freezes the
+    backbone and unfreezes it at epoch 1 (Lightning's documented pattern)."""
 
     class WithBackbone(pl.LightningModule):
         def __init__(self) -> None:
@@ -128,6 +128,9 @@ def finetuning_classes(pl, mix=True):
             x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
             return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()),
                                                batch_size=4)
+
+        def configure_callbacks(self):
+            return own_callbacks()
 
     class Unfreeze(pl.callbacks.BaseFinetuning):
         def freeze_before_training(self, pl_module):
@@ -318,11 +321,12 @@ def test_a_basefinetuning_subclass_resumes_bit_identical_after_its_unfreeze(tmp_
 
 def test_an_unfreeze_before_the_first_batch_keeps_its_groups_through_the_first_batch_routing(tmp_path):
     """Unfrozen at epoch 0, before the first batch shows the input layer: the batch moves backbone.0.weight within
-    the unfrozen groups (Muon's to AdamW's), and the next epoch's lr still lands on the backbone groups."""
-    module_class, _ = finetuning_classes(L.pytorch, mix=False)
+    the unfrozen groups (Muon's to AdamW's), and the next epoch's lr still lands on the backbone groups. The
+    callback comes from the module's configure_callbacks (seen when the fit builds both optimizers)."""
+    module_class, _ = finetuning_classes(L.pytorch, mix=False, own_callbacks=lambda: [
+        L.pytorch.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=0)])
     groups = groups_at_batches(L.pytorch)
-    callback = L.pytorch.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=0)
-    quiet_trainer(L.pytorch, tmp_path, [callback, groups], max_epochs=2).fit(module_class())
+    quiet_trainer(L.pytorch, tmp_path, [groups], max_epochs=2).fit(module_class())
     muon, adamw = groups.epochs[1][0]
     assert muon == [("hidden", 0.02, []), ("unfrozen_1", 2.0 * (0.02 * 0.1), BACKBONE_MATRICES)]
     assert adamw == [("head", 3e-4, ["head.weight", "head.bias"]), ("unfrozen_1", 2.0 * (3e-4 * 0.1), BACKBONE_REST)]
@@ -347,6 +351,13 @@ def test_a_backbone_with_nothing_to_unfreeze_stops_the_fit_rather_than_rescale_a
     callback = L.pytorch.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1)
     with pytest.raises(Exception, match=r"at epoch 1 gave Muon the param groups \[\](.|\n)*pl_module\.backbone"):
         quiet_trainer(L.pytorch, tmp_path, [callback], max_epochs=2).fit(BatchNormBackbone())
+    # the failed fit never tore down: the same callback in a new fit records that fit's groups, not the old one's
+    module_class, _ = finetuning_classes(L.pytorch, mix=False)
+    model = module_class()
+    quiet_trainer(L.pytorch, tmp_path / "again", [callback], max_epochs=2).fit(model)
+    recorded = callback.state_dict()["internal_optimizer_metadata"]
+    assert [[g["param_names"] for g in recorded[i]] for i in (0, 1)] == [
+        [g["param_names"] for g in o.param_groups] for o in model.trainer.optimizers]
 
 
 @pytest.mark.parametrize(
