@@ -16,7 +16,9 @@ the fit ends):
   Muon's lr and AdamW's follows AdamW's, ``lr * backbone_initial_ratio_lr`` at the unfreeze epoch, then
   ``lambda_func(epoch + 1)`` times the previous one, capped at that optimizer's lr (``should_align``). The callback
   sets the lr of each optimizer's last group: that it is the group the unfreeze added is checked at the unfreeze
-  epoch and before every later call, and the fit stops with the reason rather than rescale another group.
+  epoch and before every later call, and the fit stops with the reason rather than rescale another group. A fit
+  resumed within an epoch whose start set the lrs (Lightning releases that run ``on_train_epoch_start`` again
+  then) skips the call: the checkpoint holds that epoch's lrs, which would otherwise grow twice.
 
 `restore_unfrozen`: on resume, Lightning's ``BaseFinetuning.setup`` freezes the backbone again and its
 ``on_fit_start`` gives the optimizers their groups back but not ``requires_grad`` (Lightning issue #21901): the
@@ -55,29 +57,38 @@ class Finetuning:
         trainer: the fit's Trainer, its optimizers built.
         module: the fit's module.
         algorithms: which algorithm each of ``trainer.optimizers`` is, in order.
-        backbone_lrs: each ``BackboneFinetuning``'s backbone lr per optimizer, by ``state_key``, from the
-            checkpoint the fit resumes (`record`); ``None``: the callback's own value for every optimizer.
+        backbone_lrs: each ``BackboneFinetuning``'s backbone lr per optimizer and the epoch it was set at, by
+            ``state_key``, from the checkpoint the fit resumes (`record`); ``None``: the callback's own value for
+            every optimizer.
     """
 
     def __init__(self, trainer: pl.Trainer, module: pl.LightningModule, algorithms: list[str],
-                 backbone_lrs: dict[str, list[float | None]] | None = None) -> None:
+                 backbone_lrs: dict[str, dict[str, Any]] | None = None) -> None:
         self.trainer, self.module, self.algorithms = trainer, module, algorithms
         #: Each BackboneFinetuning's previous backbone lr, one per optimizer, by the callback's ``state_key``.
         self.backbone_lrs: dict[str, list[float | None]] = {}
+        #: The epoch whose start last set them, by ``state_key`` (``None``: none yet).
+        self.epochs: dict[str, int | None] = {}
+        #: Those of the checkpoint the fit resumes: a fit resumed within that epoch has set them already.
+        self._resumed_epochs: dict[str, int | None] = {}
         #: How many groups each optimizer held when the current epoch's finetuning began.
         self._before: list[int] = []
         self._own: list[tuple[Any, dict[str, Any]]] = []
         count = len(trainer.optimizers)
         for callback in finetuning_callbacks(_compat.trainer_callbacks(trainer)):
             if isinstance(callback, _compat.lightning_classes(BackboneFinetuning)):
-                saved = (backbone_lrs or {}).get(callback.state_key)
+                saved = (backbone_lrs or {}).get(callback.state_key) or {}
                 own = callback.previous_backbone_lr
-                self.backbone_lrs[callback.state_key] = list(saved) if saved is not None else [own] * count
+                self.backbone_lrs[callback.state_key] = list(saved.get("lrs") or [own] * count)
+                self.epochs[callback.state_key] = self._resumed_epochs[callback.state_key] = saved.get("epoch")
             self._wrap(callback)
 
     def record(self) -> dict[str, Any]:
         """What the fit's checkpoints hold for it (`lightning_muon.lightning._checkpoint.record`'s ``extra``)."""
-        return {"backbone_lrs": {key: list(lrs) for key, lrs in self.backbone_lrs.items()}} if self.backbone_lrs else {}
+        if not self.backbone_lrs:
+            return {}
+        return {"backbone_lrs": {key: {"epoch": self.epochs[key], "lrs": list(lrs)}
+                                 for key, lrs in self.backbone_lrs.items()}}
 
     def teardown(self) -> None:
         """Give the callbacks their methods back, their record of the groups the optimizers' last ones (a
@@ -107,6 +118,9 @@ class Finetuning:
                 warnings.filterwarnings("ignore", message=ALREADY_HELD)
                 epoch_start(trainer, pl_module)
             _compat.store_finetuning_groups(callback, pl_module, trainer.optimizers)
+            if callback.state_key in self.epochs:
+                self.epochs[callback.state_key] = trainer.current_epoch
+                self._resumed_epochs.pop(callback.state_key, None)
 
         def stored_state_dict() -> dict[str, Any]:
             _compat.store_finetuning_groups(callback, self.module, self.trainer.optimizers)
@@ -125,6 +139,8 @@ class Finetuning:
         lrs = self.backbone_lrs[callback.state_key]
 
         def finetune_function(pl_module: pl.LightningModule, epoch: int, optimizer: Optimizer) -> None:
+            if self._resumed_epochs.get(callback.state_key) == epoch:
+                return  # resumed within the epoch: its start set the backbone lrs the checkpoint holds already
             index = next(i for i, o in enumerate(self.trainer.optimizers) if o is optimizer)
             unfreeze_at = callback.unfreeze_backbone_at_epoch
             if epoch > unfreeze_at:

@@ -220,18 +220,30 @@ BACKBONE_MATRICES = ["backbone.3.weight"]  # backbone.0 reads the batch: an inpu
 BACKBONE_REST = ["backbone.0.weight", "backbone.0.bias", "backbone.1.weight", "backbone.1.bias", "backbone.3.bias"]
 
 
+class SaveAtSteps(L.Callback):
+    """Saves ``step=<n>.ckpt`` after the updates ``steps`` (within an epoch)."""
+
+    def __init__(self, root, steps):
+        self.root, self.steps = root, steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step in self.steps:
+            trainer.save_checkpoint(self.root / f"step={trainer.global_step}.ckpt")
+
+
 @pytest.fixture(scope="module")
 def backbone_run(tmp_path_factory):
     """The uninterrupted run: backbone and head only, BackboneFinetuning(unfreeze_backbone_at_epoch=1) (its
-    defaults: 0.1 of the lr, then x2 an epoch), 3 epochs, a checkpoint after each; with the recorded groups, the
-    backbone after epoch 0 and the final weights."""
+    defaults: 0.1 of the lr, then x2 an epoch), 3 epochs of 4 updates, a checkpoint after each epoch and after
+    updates 6 and 10 (within epochs 1 and 2); with the recorded groups, the backbone after epoch 0 and the final
+    weights."""
     root = tmp_path_factory.mktemp("backbone")
     module_class, _ = finetuning_classes(L.pytorch, mix=False)
     model = module_class()
     groups = groups_at_batches(L.pytorch)
     frozen = snapshot(model.backbone)
     quiet_trainer(L.pytorch, root, [L.pytorch.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1),
-                                    groups]).fit(model)
+                                    groups, SaveAtSteps(root, {6, 10})]).fit(model)
     return {"root": root, "class": module_class, "groups": groups, "frozen": frozen, "final": snapshot(model),
             "model": model}
 
@@ -262,6 +274,23 @@ def test_backbone_finetuning_resumes_bit_identical_to_the_uninterrupted_run(back
     assert same(snapshot(model), backbone_run["final"])
     assert {e: batches for e, batches in groups.epochs.items()} == {
         e: batches for e, batches in backbone_run["groups"].epochs.items() if e > epoch}
+
+
+@pytest.mark.parametrize("step", [pytest.param(6, id="in-the-unfreeze-epoch"), pytest.param(10, id="in-a-later-one")])
+def test_a_resume_within_an_epoch_keeps_each_backbone_lr_and_trains_the_backbone(backbone_run, tmp_path, step):
+    """Resumed within an epoch: the unfreeze is not done twice and the backbone lrs do not grow twice (Lightning
+    2.6 does not run that epoch's on_train_epoch_start again; earlier releases did, and the mixin then skips
+    BackboneFinetuning's). The weights are not compared: Lightning replays the epoch's remaining updates on its
+    first batches when the dataloader cannot resume, and says so."""
+    model, groups = backbone_run["class"](), groups_at_batches(L.pytorch)
+    callbacks = [L.pytorch.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1), groups]
+    with pytest.warns(UserWarning, match="dataloader is not resumable"):
+        quiet_trainer(L.pytorch, tmp_path, callbacks).fit(model, ckpt_path=backbone_run["root"] / f"step={step}.ckpt")
+    epoch = step // 4
+    assert groups.epochs == {e: batches[-len(groups.epochs[e]):] for e, batches in backbone_run["groups"].epochs.items()
+                             if e >= epoch}
+    assert all(p.requires_grad for p in model.backbone.parameters())
+    assert all(not torch.equal(model.backbone.get_parameter(n), p) for n, p in backbone_run["frozen"].items())
 
 
 @pytest.mark.parametrize(
