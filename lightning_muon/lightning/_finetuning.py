@@ -91,8 +91,8 @@ class Finetuning:
                                  for key, lrs in self.backbone_lrs.items()}}
 
     def teardown(self) -> None:
-        """Give the callbacks their methods back, their record of the groups the optimizers' last ones (a
-        checkpoint saved after the fit holds them)."""
+        """Give the callbacks their methods back, their record of the groups set to the groups the optimizers end
+        the fit with (what a checkpoint saved after the fit holds)."""
         for callback, own in self._own:
             if self.trainer.optimizers:
                 _compat.store_finetuning_groups(callback, self.module, self.trainer.optimizers)
