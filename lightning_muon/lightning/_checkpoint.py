@@ -14,14 +14,16 @@ import os
 import pickle
 import tempfile
 import zipfile
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
+from torch.optim import Optimizer
 
+from lightning_muon.lightning._unfreezing import GROUP_PREFIX
 from lightning_muon.routing import ADAMW, MUON, GraphRoles, Routing
 
 #: The checkpoint entry lightning_muon writes.
@@ -34,30 +36,99 @@ def optimizer_names(routing: Routing) -> dict[str, list[str]]:
     return {MUON: routing.names(MUON), ADAMW: routing.names(ADAMW)}
 
 
-def record(
-    routing: Routing, roles: GraphRoles | None, loop_state: dict[str, int], settings: dict[str, Any]
-) -> dict[str, Any]:
-    """What a checkpoint holds under `CHECKPOINT_KEY`: each optimizer's parameter names, every routed
-    parameter's shape, the first batch's roles (where one was seen), the update loop's counters and the mixin's
-    settings as plain data (``settings``, `MuonConfig.to_hparams`)."""
+def optimizer_groups(optimizers: Iterable[Optimizer]) -> list[list[list[Any]]]:
+    """What each optimizer holds, in order: ``[group name, [parameter names]]`` per group (the positions its
+    state is saved by)."""
+    return [[[g.get("name"), list(g.get("param_names", []))] for g in o.param_groups] for o in optimizers]
+
+
+def record(routing: Routing, roles: GraphRoles | None, loop_state: dict[str, int], settings: dict[str, Any],
+           optimizers: list[Optimizer] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint holds under `CHECKPOINT_KEY`: each optimizer's parameter names by the routing, every
+    routed parameter's shape, the first batch's roles (where one was seen), the update loop's counters, the
+    mixin's settings as plain data (``settings``, `MuonConfig.to_hparams`), the groups the optimizers really
+    hold (``optimizers``: the fit's; groups a finetuning callback added included) and the fit's ``extra``
+    (`FitState.record`)."""
     saved: dict[str, Any] = {
         "routing": optimizer_names(routing),
         "shapes": {r.name: list(r.shape) for r in routing.routes},
         "settings": settings,
         **loop_state,
+        **(extra or {}),
     }
     if roles is not None:
         saved["roles"] = roles.to_dict()
+    if optimizers:
+        saved["groups"] = optimizer_groups(optimizers)
     return saved
 
 
-def check_resume(saved: dict[str, Any], routing: Routing, module: nn.Module) -> None:
+def unfrozen_names(saved: dict[str, Any]) -> set[str]:
+    """The parameters the checkpoint's optimizers held in groups a finetuning callback added during the fit."""
+    return {n for groups in saved.get("groups", []) for name, names in groups
+            if str(name).startswith(GROUP_PREFIX) for n in names}
+
+
+def check_resume(saved: dict[str, Any], routing: Routing, module: nn.Module, restores_groups: bool = False) -> None:
     """Refuse a resume whose model (`check_same_model`) or routing (`check_routing`) differs from the saved;
-    ``routing`` is ``module``'s."""
+    ``routing`` is ``module``'s. Parameters that a finetuning callback unfroze and added to the optimizers during
+    the saved fit, frozen again by its ``setup`` (Lightning issue #21901), are taken as the checkpoint's where the
+    fit has that callback to give their groups back (``restores_groups``; MuonMixin then makes them trainable
+    again, `lightning_muon.lightning._finetuning.restore_unfrozen`); without it the resume is refused."""
     current = optimizer_names(routing)
-    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-    check_same_model(saved, current, {r.name: r.shape for r in routing.routes}, frozen)
-    check_routing(saved, current)
+    named = dict(module.named_parameters())
+    frozen = {n for n, p in named.items() if not p.requires_grad}
+    refrozen = frozen & unfrozen_names(saved)
+    if refrozen and not restores_groups:
+        raise MisconfigurationException(
+            f"This checkpoint was saved after a finetuning callback unfroze {len(refrozen)} parameter(s) and added "
+            f"them to the optimizers ({_some(sorted(refrozen))}); they are frozen "
+            "in this model, and this fit has no BaseFinetuning callback holding their param groups to give them "
+            "back (or its strategy restores callbacks only after the optimizers are set up). Resume with the "
+            "finetuning callback the checkpoint was trained with, on a one-process or DDP strategy (MuonMixin makes "
+            "what it unfroze trainable again), or start a new fit from these weights "
+            "(model.load_state_dict(torch.load(path)['state_dict'])) without ckpt_path."
+        )
+    shapes = {r.name: r.shape for r in routing.routes} | {n: tuple(named[n].shape) for n in refrozen}
+    with_refrozen = {o: current[o] + [n for n in saved["routing"][o] if n in refrozen] for o in (MUON, ADAMW)}
+    check_same_model(saved, with_refrozen, shapes, frozen - refrozen)
+    check_routing({**saved, "routing": {o: [n for n in saved["routing"][o] if n not in refrozen]
+                                        for o in (MUON, ADAMW)}}, current)
+
+
+def check_groups(saved: dict[str, Any], optimizers: list[Optimizer], algorithms: list[str]) -> None:
+    """Refuse a resumed fit whose optimizers (``algorithms``: which each is) hold other param groups than the
+    checkpoint's optimizer states were saved with (they load by position); checkpoints without the record pass."""
+    then, now = saved.get("groups"), optimizer_groups(optimizers)
+    if then is None or then == now:
+        return
+    count = max(len(then), len(now))
+    then, now = then + [[]] * (count - len(then)), now + [[]] * (count - len(now))
+    names = [*algorithms, *(f"optimizer {i}" for i in range(len(algorithms), count))]
+    lines = [f"  {name}: {_describe(a)} in the checkpoint, {_describe(b)} now" if _describe(a) != _describe(b)
+             else f"  {name}: {_describe(a)}, with other parameters or in another order"
+             for name, a, b in zip(names, then, now, strict=False) if a != b]
+    added = sorted({str(name) for groups in then for name, _ in groups if str(name).startswith(GROUP_PREFIX)}
+                   - {str(name) for groups in now for name, _ in groups})
+    fix = (f"The checkpoint's groups {added} were added during the fit by a finetuning callback, and only that "
+           "callback gives them back: resume with the finetuning callback the checkpoint was trained with (the same "
+           "class and arguments)." if added else
+           "Resume with the callbacks the checkpoint was trained with (a BaseFinetuning callback gives back the "
+           "groups it added) and the same muon_params/adamw_params.")
+    raise MisconfigurationException(
+        "The optimizers of this resumed fit hold other param groups than the checkpoint's optimizer states were "
+        f"saved with, so the states would load into the wrong parameters:\n{first_lines(lines, 10)}\n{fix}"
+    )
+
+
+def _describe(groups: list[list[Any]]) -> str:
+    """``[hidden: 2, unfrozen_1: 1]``: each group's name and how many parameters it holds."""
+    return "[" + ", ".join(f"{name}: {len(names)}" for name, names in groups) + "]"
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    """At most ``limit`` of ``names``, comma-separated, then how many more there are."""
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def routing_differences(saved: dict[str, list[str]], current: dict[str, list[str]]) -> list[str]:
@@ -103,10 +174,10 @@ def check_same_model(saved: dict[str, Any], current: dict[str, list[str]],
         return
     if any("frozen in this model" in line for line in lines):
         raise MisconfigurationException(
-            "This checkpoint was saved with parameters trainable that are frozen in this model:\n"
-            f"{first_lines(lines, 20)}\nA finetuning callback (BaseFinetuning) that unfroze them during the fit "
-            "freezes them again when a resumed fit starts, and MuonMixin cannot yet resume after such an unfreeze: "
-            "resume from a checkpoint saved before it, or start a new fit from these weights "
+            "This checkpoint was saved with parameters trainable that are frozen in this model, and in no param "
+            f"group a finetuning callback added during the fit:\n{first_lines(lines, 20)}\nFreeze the model as it "
+            "was when the checkpoint was saved (a callback that unfreezes with unfreeze_and_add_param_group is "
+            "resumed from; one that only sets requires_grad is not), or start a new fit from these weights "
             "(model.load_state_dict(torch.load(path)['state_dict'])) with the parameters unfrozen."
         )
     raise MisconfigurationException(

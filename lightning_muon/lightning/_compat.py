@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, LearningRateFinder
+from lightning.pytorch.callbacks import BaseFinetuning, Callback, GradientAccumulationScheduler, LearningRateFinder
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
@@ -203,3 +203,21 @@ def take_compiled_training_step(module: pl.LightningModule) -> Callable[[Callabl
         return None
     vars(module).pop("training_step", None)
     return context["dynamo_ctx"]
+
+
+def store_finetuning_groups(callback: BaseFinetuning, module: pl.LightningModule, optimizers: list[Optimizer]) -> None:
+    """Make a ``BaseFinetuning`` callback's record of the optimizers' param groups (``_internal_optimizer_metadata``,
+    saved in checkpoints and given back to the optimizers by its ``on_fit_start`` on resume) every optimizer's real
+    groups, by parameter name. Lightning records only the groups an optimizer gains during its own
+    ``finetune_function`` call; under MuonMixin the first optimizer's call adds a group to each."""
+    mapping = {p: n for n, p in module.named_parameters()}
+    callback._internal_optimizer_metadata = {
+        i: callback._apply_mapping_to_param_groups(o.param_groups, mapping) for i, o in enumerate(optimizers)
+    }
+
+
+def saved_finetuning_groups(callback: BaseFinetuning, checkpoint: dict[str, Any]) -> bool:
+    """Whether ``checkpoint`` holds param groups that ``callback`` will give back to the optimizers when the fit
+    resumes (its state, under its ``state_key``, with groups in it)."""
+    state = checkpoint.get("callbacks", {}).get(callback.state_key) or {}
+    return bool(state.get("internal_optimizer_metadata"))

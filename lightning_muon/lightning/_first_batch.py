@@ -15,6 +15,7 @@ optimizers before its optimizer states load into them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
+from lightning_muon.lightning import _unfreezing
 from lightning_muon.lightning._checkpoint import CHECKPOINT_KEY
 from lightning_muon.optim.muon import Muon
 from lightning_muon.routing import ADAMW, MUON, Algorithm, GraphRoles, Routing, route_parameters
@@ -54,10 +56,36 @@ def group_layout(routing: Routing) -> list[list[tuple[str, list[str]]]]:
     return [[(g["name"], [n for n, _ in g["params"]]) for g in routing.groups(opt)] for opt in (MUON, ADAMW)]
 
 
-def holds(optimizers: list[torch.optim.Optimizer], routing: Routing) -> bool:
-    """Whether ``optimizers`` hold ``routing``'s groups (an optimizer without groups counts as absent)."""
-    held = [[(g["name"], list(g["param_names"])) for g in o.param_groups] for o in optimizers]
-    return [groups for groups in held if groups] == [groups for groups in group_layout(routing) if groups]
+def groups_for(routing: Routing, optimizers: list[torch.optim.Optimizer], algorithms: list[str],
+               placeholders: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """The groups each algorithm's optimizer holds under ``routing``: the routing's groups (an empty placeholder
+    where it has none and the fit keeps every optimizer, ``placeholders``), then each group a finetuning callback
+    added to ``optimizers`` (which ``algorithms`` says are which) during the fit, its parameters split again by
+    ``routing``, at the lr that optimizer's group has: a first batch after an unfreeze keeps what it added apart."""
+    added = _unfreezing.added_groups(optimizers)
+    in_added = {n for _, names in added for n in names}
+    base = Routing([r for r in routing.routes if r.name not in in_added], routing.params)
+    lrs = {(a, g["name"]): g["lr"] for a, o in zip(algorithms, optimizers, strict=True) for g in o.param_groups}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for algorithm in (MUON, ADAMW):
+        kept = placeholders and algorithm in algorithms
+        groups[algorithm] = base.groups(algorithm) or ([_unfreezing.placeholder_group(algorithm)] if kept else [])
+        for name, names in added:
+            mine = Routing([r for r in routing.routes if r.name in set(names)], routing.params)
+            group = _unfreezing.unfrozen_group(mine, algorithm, lrs.get((algorithm, name), 0.0), name)
+            if algorithm in algorithms or group["params"]:  # (an optimizer the fit lacks: refused by the caller)
+                groups[algorithm].append(group)
+    return groups
+
+
+def holds(optimizers: list[torch.optim.Optimizer], routing: Routing, algorithms: list[str],
+          placeholders: bool = False) -> bool:
+    """Whether ``optimizers`` (``algorithms``: which each is) hold ``routing``'s groups (`groups_for`)."""
+    wanted = groups_for(routing, optimizers, algorithms, placeholders)
+    if any(wanted[a] for a in (MUON, ADAMW) if a not in algorithms):
+        return False
+    held = [[(g["name"], list(g.get("param_names", []))) for g in o.param_groups] for o in optimizers]
+    return held == [[(g["name"], [n for n, _ in g["params"]]) for g in wanted[a]] for a in algorithms]
 
 
 def moves_message(before: Routing, after: Routing, roles: GraphRoles, took_s: float) -> str:
@@ -100,10 +128,12 @@ def _where(layout: list[list[tuple[str, list[str]]]]) -> dict[str, tuple[str, st
     return {n: (o, g) for o, groups in zip((MUON, ADAMW), layout, strict=True) for g, names in groups for n in names}
 
 
-def correct_optimizers(trainer: pl.Trainer, routing: Routing, config: MuonConfig, algorithms: list[str]) -> None:
+def correct_optimizers(trainer: pl.Trainer, routing: Routing, config: MuonConfig, algorithms: list[str],
+                       placeholders: bool = False) -> None:
     """Give the fit's optimizers (which hold no state yet; ``algorithms`` says which each is) the param groups of
-    ``routing``, built as ``config`` builds them, in place, and build their schedulers again for the new groups.
-    The optimizer objects stay the same (callbacks may hold them); one left without parameters steps nothing."""
+    ``routing`` (`groups_for`, groups a finetuning callback added kept apart), built as ``config`` builds them, in
+    place, and build their schedulers again for the groups they were built with. The optimizer objects stay the
+    same (callbacks may hold them); one left without parameters steps nothing."""
     optimizers = list(trainer.optimizers)
     if any(o.state for o in optimizers):
         raise RuntimeError("lightning_muon: the routing can only be corrected before the optimizers' first step")
@@ -113,10 +143,10 @@ def correct_optimizers(trainer: pl.Trainer, routing: Routing, config: MuonConfig
             for n, p in zip(g["param_names"], g["params"], strict=True)}
     if set(held) != {r.name for r in routing.routes}:
         raise RuntimeError("lightning_muon: the optimizers hold other parameters than the routing names")
-    groups = {a: [{**g, "params": [(n, held[n]) for n, _ in g["params"]]} for g in routing.groups(a)]
-              for a in (MUON, ADAMW)}
+    wanted = groups_for(routing, optimizers, algorithms, placeholders)
+    groups = {a: [{**g, "params": [(n, held[n]) for n, _ in g["params"]]} for g in wanted[a]] for a in (MUON, ADAMW)}
     for algorithm in (MUON, ADAMW):
-        if groups[algorithm] and algorithm not in algorithms:
+        if any(g["params"] for g in groups[algorithm]) and algorithm not in algorithms:
             raise MisconfigurationException(
                 f"The first training batch routed parameters to {algorithm} where the structural rules had routed "
                 f"none, so the fit has no {algorithm} optimizer to give them: {routing.names(algorithm)}. Decide "
@@ -127,7 +157,10 @@ def correct_optimizers(trainer: pl.Trainer, routing: Routing, config: MuonConfig
         optimizer.param_groups[:] = build(groups[algorithm]).param_groups if groups[algorithm] else []
     if config.lr_scheduler_factory is None:
         return
-    rebuilt = config.build_schedulers(optimizers, lambda: trainer.estimated_stepping_batches)
+    with contextlib.ExitStack() as built_groups_only:
+        for optimizer in optimizers:
+            built_groups_only.enter_context(_unfreezing.scheduled_groups_only(optimizer))
+        rebuilt = config.build_schedulers(optimizers, lambda: trainer.estimated_stepping_batches)
     for scheduler_config, built_config in zip(trainer.lr_scheduler_configs, rebuilt, strict=True):
         scheduler_config.scheduler = built_config["scheduler"]
 

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningR
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_muon.lightning import _checkpoint, _checks, _compat, _first_batch, _unfreezing
+from lightning_muon.lightning import _checkpoint, _checks, _compat, _finetuning, _first_batch, _unfreezing
 from lightning_muon.lightning._config import MuonConfig
 from lightning_muon.lightning._update_loop import UpdateSettings, loss_in
 from lightning_muon.routing import ADAMW, MUON, Algorithm, GraphRoles, Routing, trace_step
@@ -72,6 +72,15 @@ class FitState:
         self.compiler: Callable[[Callable[..., Any]], Any] | None = None
         #: The strategy whose ``load_checkpoint`` the fit wraps, and its own before (``None``: its class's).
         self._wrapped_load: tuple[Any, Callable[..., Any] | None] | None = None
+        #: Whether both optimizers are built even where the start routes nothing to one (a finetuning callback
+        #: will unfreeze parameters for it), holding an empty group until then.
+        self.keeps_optimizers = False
+        #: The module's routing as it stands (from configure_optimizers), and the record of the checkpoint the fit
+        #: resumes (``None``: a fresh fit, or a strategy that restores after on_fit_start).
+        self._routing: Callable[[], Routing] | None = None
+        self.resumed: dict[str, Any] | None = None
+        #: The fit's finetuning callbacks, wrapped for the pair from on_fit_start (`_finetuning`).
+        self.finetuning: _finetuning.Finetuning | None = None
 
     @classmethod
     def start(cls, module: LightningModule, config: MuonConfig,
@@ -82,7 +91,6 @@ class FitState:
         distributed checkpoint's record to ``load_roles`` first; take ``torch.compile``'s compiler off the step."""
         trainer = module.trainer
         _checks.check_callbacks(module, config.muon_enabled)
-        _unfreezing.check_finetuning_callbacks(_compat.trainer_callbacks(trainer), config.muon_enabled)
         flags = _compat.take_trainer_flags(trainer)
         try:
             fit = resolve(config, flags)
@@ -106,8 +114,13 @@ class FitState:
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Lightning's loop already knows how to count accumulated batches (logger steps, validation zero_grad,
-        ``estimated_stepping_batches``): give it the fit's number."""
+        ``estimated_stepping_batches``): give it the fit's number. The fit's callbacks are all attached now (the
+        module's ``configure_callbacks`` too): refuse a finetuning callback that cannot work with the pair, and
+        keep both optimizers where one may come."""
         _compat.set_accumulate_grad_batches(trainer, self.accumulation_at(trainer.current_epoch))
+        callbacks = _compat.trainer_callbacks(trainer)
+        _unfreezing.check_finetuning_callbacks(callbacks, self.config.muon_enabled)
+        self.keeps_optimizers = self.config.muon_enabled and bool(_unfreezing.finetuning_callbacks(callbacks))
 
     def configure_optimizers(self, optimizer_config: MuonConfig, built: dict[str, Optimizer],
                              schedulers: list[dict[str, Any]], routing: Callable[[], Routing]) -> None:
@@ -117,6 +130,7 @@ class FitState:
         for `on_fit_start`, taking it out of the config Lightning validates."""
         self.optimizer_config = optimizer_config
         self.algorithms = list(built)
+        self._routing = routing
         _unfreezing.route_added_groups(built, routing)
         self.monitors = {
             id(c["scheduler"]): (c.pop("monitor"), c.pop("strict", True)) for c in schedulers if "monitor" in c
@@ -124,12 +138,27 @@ class FitState:
 
     def on_fit_start(self, module: LightningModule, own_classes: Sequence[type], lrs_given: bool) -> None:
         """Give the monitor-driven schedulers back their metric; say what the parent's ``configure_optimizers``
-        (the first of ``own_classes`` that defines it) would have built (``lrs_given``: the user chose the lrs)."""
-        for config in module.trainer.lr_scheduler_configs:
+        (the first of ``own_classes`` that defines it) would have built (``lrs_given``: the user chose the lrs);
+        wrap the finetuning callbacks for the pair; on resume (the callbacks' ``on_fit_start`` gave the optimizers
+        back the groups they added), check the optimizers hold the checkpoint's groups and make what a finetuning
+        callback unfroze trainable again (`_finetuning.restore_unfrozen`)."""
+        trainer = module.trainer
+        for config in trainer.lr_scheduler_configs:
             monitor = self.monitors.get(id(config.scheduler))
             if monitor is not None:
                 config.reduce_on_plateau, (config.monitor, config.strict) = True, monitor
         _checks.tell_replaced(module, own_classes, lrs_given)
+        saved = self.resumed
+        self.finetuning = _finetuning.Finetuning(trainer, module, self.algorithms,
+                                                 saved.get("backbone_lrs") if saved is not None else None)
+        if saved is not None:
+            _checkpoint.check_groups(saved, trainer.optimizers, self.algorithms)
+            if _finetuning.restore_unfrozen(module, trainer.optimizers) and self._routing is not None:
+                _checkpoint.check_routing(saved, _checkpoint.optimizer_names(self._routing()))
+
+    def record(self) -> dict[str, Any]:
+        """What the fit adds to its checkpoints' record (each optimizer's backbone lr, `_finetuning`)."""
+        return self.finetuning.record() if self.finetuning is not None else {}
 
     def on_train_epoch_start(self, trainer: pl.Trainer) -> None:
         """A ``GradientAccumulationScheduler``'s number for this epoch (what the callback itself would set)."""
@@ -156,8 +185,10 @@ class FitState:
     def hold(self, trainer: pl.Trainer, routing: Routing) -> None:
         """Make the fit's optimizers, where they are built and hold no state yet, hold ``routing``'s groups."""
         optimizers = trainer.optimizers
-        if optimizers and not any(o.state for o in optimizers) and not _first_batch.holds(optimizers, routing):
-            _first_batch.correct_optimizers(trainer, routing, self.optimizer_config, self.algorithms)
+        if optimizers and not any(o.state for o in optimizers) and not _first_batch.holds(
+                optimizers, routing, self.algorithms, self.keeps_optimizers):
+            _first_batch.correct_optimizers(trainer, routing, self.optimizer_config, self.algorithms,
+                                            self.keeps_optimizers)
 
     def teardown(self, module: LightningModule, config: MuonConfig) -> MuonConfig:
         """Give the Trainer its flags and the strategy its ``load_checkpoint`` back; return ``config`` for the
@@ -165,6 +196,8 @@ class FitState:
         suggestion back, on the ``muon=None`` baseline (the saved hyperparameters say so too)."""
         trainer = module.trainer
         _compat.restore_trainer_flags(trainer, self.trainer_flags)
+        if self.finetuning is not None:
+            self.finetuning.teardown()
         if self._wrapped_load is not None:
             strategy, own = self._wrapped_load
             if own is not None:
@@ -184,10 +217,11 @@ class FitState:
         return config
 
 
-def build_optimizers(module: LightningModule, routing: Routing,
-                     config: MuonConfig) -> tuple[dict[str, Optimizer], list[dict[str, Any]]]:
+def build_optimizers(module: LightningModule, routing: Routing, config: MuonConfig,
+                     fit: FitState | None = None) -> tuple[dict[str, Optimizer], list[dict[str, Any]]]:
     """The optimizers over ``routing``'s param groups, by algorithm (``{MUON: ..., ADAMW: ...}``, in that order),
-    each only where it has parameters (with ``muon=None`` and no parameter at all, AdamW); and their schedulers'
+    each only where it has parameters (with ``muon=None`` and no parameter at all, AdamW) or, where the ``fit``
+    keeps both (it has a finetuning callback), each with an empty group where it has none; and their schedulers'
     configs (none without ``lr_scheduler``). The routing table is printed once (INFO), an optimizer left without
     parameters said once, and a model with nothing trainable refused by name."""
     if not routing.routes:
@@ -197,18 +231,46 @@ def build_optimizers(module: LightningModule, routing: Routing,
             "(`layer.requires_grad_(True)`), or build the layers in __init__ or configure_model."
         )
     rank_zero_info("\n" + routing.render())
+    keep_both = fit is not None and fit.keeps_optimizers
     built: dict[str, Optimizer] = {}
-    if routing.muon_groups:
-        built[MUON] = config.build(Algorithm.MUON, routing.muon_groups)
+    if routing.muon_groups or keep_both:
+        built[MUON] = config.build(Algorithm.MUON, routing.muon_groups or [_unfreezing.placeholder_group(MUON)])
     elif config.muon_enabled:
         rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")
-    if routing.adamw_groups:
-        built[ADAMW] = config.build_adamw(routing.adamw_groups)
+    if routing.adamw_groups or keep_both:
+        built[ADAMW] = config.build_adamw(routing.adamw_groups or [_unfreezing.placeholder_group(ADAMW)])
     else:  # every trainable parameter is a hidden matrix (LoRA adapters, a frozen model's blocks)
         rank_zero_info("MuonMixin: no parameter was routed to AdamW; Muon alone trains this model.")
+    for algorithm in (MUON, ADAMW):
+        if keep_both and not routing.groups(algorithm):
+            rank_zero_info(f"MuonMixin: no parameter is routed to {algorithm} yet: it holds an empty group until a "
+                           "finetuning callback unfreezes parameters for it.")
     if config.lr_scheduler_factory is None:
         return built, []
     return built, config.build_schedulers(list(built.values()), lambda: module.trainer.estimated_stepping_batches)
+
+
+def checkpoint_record(module: Any, config: MuonConfig, roles: GraphRoles | None, loop_state: dict[str, int],
+                      fit: FitState | None) -> dict[str, Any]:
+    """What ``module``'s (a `MuonMixin`'s) checkpoint holds under `_checkpoint.CHECKPOINT_KEY`
+    (`_checkpoint.record`): its routing and ``config``'s settings, with the groups its Trainer's optimizers hold
+    and what the ``fit`` adds (each optimizer's backbone lr)."""
+    trainer = _compat.attached_trainer(module)
+    return _checkpoint.record(module.muon_routing(), roles, loop_state, config.to_hparams(),
+                              trainer.optimizers if trainer is not None else None,
+                              fit.record() if fit is not None else None)
+
+
+def check_resume(module: LightningModule, checkpoint: dict[str, Any], saved: dict[str, Any], routing: Routing,
+                 fit: FitState | None) -> None:
+    """Refuse a resume from ``checkpoint`` (its record: ``saved``) that cannot meet ``module`` (its ``routing``:
+    `_checkpoint.check_resume`, told whether a finetuning callback gives back the groups it added); keep the
+    record for the ``fit``'s ``on_fit_start``, which checks it against the optimizers (where the strategy
+    restores before that: one process, DDP)."""
+    trainer = module.trainer
+    _checkpoint.check_resume(saved, routing, module, _finetuning.restores_groups(trainer, checkpoint))
+    if fit is not None and not trainer.strategy.restore_checkpoint_after_setup:
+        fit.resumed = saved
 
 
 def resolve(config: MuonConfig, flags: _compat.TrainerFlags) -> FitState:

@@ -6,45 +6,110 @@ that would put every unfrozen tensor, norms and biases included, into whichever 
 (Muon), or fail on torch's "all optimizer param groups should be with/without names". `route_added_groups` makes
 each of the fit's optimizers route what it is offered by the same rules as at the start (matrices to Muon, the
 rest to AdamW, the first batch's roles applied): one new group per optimizer (named ``unfrozen_<n>``, fresh state)
-at the same fraction of that optimizer's learning rate as the callback asked of the one it offered the group to.
-What another optimizer already holds is skipped, so offering the same modules to both adds them once.
+at the same fraction of that optimizer's learning rate as the callback asked of the one it offered the group to
+(exactly the lr asked, for that one). An optimizer that gets none of the tensors still gets its ``unfrozen_<n>``
+group, empty: every optimizer's last group is then the one just added, which is where ``BackboneFinetuning``
+sets the backbone's lr in the epochs after. What another optimizer already holds is skipped, so offering the same
+modules to both adds them once.
 
-``BackboneFinetuning`` is refused at fit start (`check_finetuning_callbacks`): it keeps one backbone learning rate
-across every optimizer it is given (``previous_backbone_lr``, ``param_groups[-1]``), so under two optimizers it
-would carry AdamW's lr into Muon's backbone group from the next epoch on, silently.
+With a finetuning callback in the fit, both optimizers are built even where the start routes nothing to one of
+them (a frozen backbone under a linear head: no matrix trains at first): that one holds an empty group
+(`placeholder_group`) until the callback unfreezes something for it. The added groups keep the lr the callback
+gives them: the fit's schedulers step the groups the optimizers were built with (`scheduled_groups_only`), as they
+would in a single-optimizer fit on an older torch (a newer torch's schedulers refuse a grown optimizer).
+``BackboneFinetuning`` itself is made per-optimizer by `lightning_muon.lightning._finetuning`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from lightning.pytorch.callbacks import BackboneFinetuning
+from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_muon.lightning import _compat
-from lightning_muon.routing import Routing
+from lightning_muon.routing import ADAMW, MUON, Routing
 
 #: Group names of what a fit adds (``unfrozen_1``, ``unfrozen_2``, ...; `MuonMonitor` logs them as lr keys).
 GROUP_PREFIX = "unfrozen_"
+#: The name of the empty group an optimizer holds when the start of a fit with a finetuning callback routes
+#: nothing to it (Muon's only group name; AdamW's group of parameters no rule names).
+PLACEHOLDER_NAMES = {MUON: "hidden", ADAMW: "other"}
+
+
+def finetuning_callbacks(callbacks: Iterable[Any]) -> list[Any]:
+    """The ``BaseFinetuning`` callbacks (either Lightning package) among ``callbacks``."""
+    return [c for c in callbacks if isinstance(c, _compat.lightning_classes(BaseFinetuning))]
 
 
 def check_finetuning_callbacks(callbacks: list[Any], muon_enabled: bool) -> None:
-    """Refuse, before the fit trains, a finetuning callback whose lr schedule assumes a single optimizer."""
+    """Refuse, before the fit trains, a ``BackboneFinetuning`` given one absolute backbone lr for two optimizers."""
     if not muon_enabled:
         return
     for callback in callbacks:
-        if isinstance(callback, _compat.lightning_classes(BackboneFinetuning)):
+        lr = getattr(callback, "backbone_initial_lr", None)
+        if isinstance(callback, _compat.lightning_classes(BackboneFinetuning)) and lr is not None:
             raise MisconfigurationException(
-                "BackboneFinetuning keeps one backbone learning rate for every optimizer it is given, and "
-                "MuonMixin trains with two (Muon and AdamW), whose learning rates are not on the same scale: from "
-                "the epoch after the unfreeze it would give Muon's backbone matrices AdamW's lr. Use a "
-                "BaseFinetuning subclass whose finetune_function calls self.unfreeze_and_add_param_group(...) "
-                "(MuonMixin routes what it unfreezes: matrices to Muon, the rest to AdamW, each at the same "
-                "fraction of its optimizer's lr), or muon=None (AdamW alone) with BackboneFinetuning."
+                f"BackboneFinetuning(backbone_initial_lr={lr}) gives the backbone one absolute learning rate, and "
+                "MuonMixin trains the backbone with two optimizers whose learning rates are on different scales "
+                "(Muon's matrices, AdamW's norms and biases). Give it as a fraction of each optimizer's lr instead: "
+                "BackboneFinetuning(backbone_initial_ratio_lr=...) (the lr you meant divided by the lr of the "
+                "optimizer you meant it for), or use muon=None (AdamW alone)."
             )
+
+
+def is_added(group: dict[str, Any]) -> bool:
+    """Whether a param group was added during the fit (`route_added_groups` names it ``unfrozen_<n>``)."""
+    return str(group.get("name", "")).startswith(GROUP_PREFIX)
+
+
+def placeholder_group(algorithm: str) -> dict[str, Any]:
+    """The empty group an optimizer is built with where the start routes nothing to it (a fit with a finetuning
+    callback); named, like every group of the pair (torch wants all groups with names or none)."""
+    return {"name": PLACEHOLDER_NAMES[algorithm], "params": [], "param_names": []}
+
+
+def unfrozen_group(routing: Routing, algorithm: str, lr: float, name: str) -> dict[str, Any]:
+    """One group ``name`` at ``lr`` with ``routing``'s parameters for ``algorithm`` (empty where it has none)."""
+    groups = routing.groups(algorithm)
+    group: dict[str, Any] = {"name": name, "params": [pair for g in groups for pair in g["params"]], "lr": lr}
+    if not groups:
+        group["param_names"] = []
+    if any("matrix_layouts" in g for g in groups):
+        group["matrix_layouts"] = [
+            layout for g in groups for layout in g.get("matrix_layouts", ["flatten"] * len(g["params"]))
+        ]
+    return group
+
+
+def added_groups(optimizers: Iterable[Optimizer]) -> list[tuple[str, list[str]]]:
+    """Each ``unfrozen_<n>`` group name, in order, with the names of the parameters it holds in any optimizer."""
+    added: dict[str, list[str]] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if is_added(group):
+                added.setdefault(group["name"], []).extend(group.get("param_names", []))
+    return list(added.items())
+
+
+@contextlib.contextmanager
+def scheduled_groups_only(optimizer: Optimizer) -> Iterator[None]:
+    """``optimizer`` showing only the groups it was built with (those before its first added group) while a
+    scheduler steps it: the finetuning callback owns the added groups' lr."""
+    groups = optimizer.param_groups
+    built = next((i for i, g in enumerate(groups) if is_added(g)), len(groups))
+    if built == len(groups):
+        yield
+        return
+    optimizer.param_groups = groups[:built]  # the same group dicts: what the scheduler sets, they keep
+    try:
+        yield
+    finally:
+        optimizer.param_groups = groups
 
 
 def _lr(optimizer: Optimizer) -> float:
@@ -59,11 +124,16 @@ def _tensors(params: Any) -> list[Tensor]:
     return [p[1] if isinstance(p, tuple) else p for p in params]
 
 
+def _next_name(optimizers: Iterable[Optimizer]) -> str:
+    """The next ``unfrozen_<n>`` name: one past the highest any optimizer holds (a resumed fit goes on counting)."""
+    numbers = [int(n) for name, _ in added_groups(optimizers) if (n := name[len(GROUP_PREFIX):]).isdigit()]
+    return f"{GROUP_PREFIX}{max(numbers, default=0) + 1}"
+
+
 def route_added_groups(optimizers: dict[str, Optimizer], routing: Callable[[], Routing]) -> None:
     """Make every optimizer of ``optimizers`` (by algorithm, the fit's) route the param groups it is offered
     (see the module's docstring); ``routing`` gives the module's routing as it stands (the unfrozen tensors in)."""
     add = {algorithm: optimizer.add_param_group for algorithm, optimizer in optimizers.items()}
-    added = [0]
 
     def offered_to(given: Optimizer) -> Callable[[dict[str, Any]], None]:
         def add_param_group(group: dict[str, Any]) -> None:
@@ -80,7 +150,8 @@ def route_added_groups(optimizers: dict[str, Optimizer], routing: Callable[[], R
                     "the module (frozen, or not its own), so MuonMixin cannot route them. Make them trainable "
                     "(requires_grad_(True)) before adding them, or add them to the module."
                 )
-            ratio = float(group.get("lr", _lr(given))) / _lr(given)
+            asked = float(group.get("lr", _lr(given)))
+            ratio = asked / _lr(given)
             routes = [by_id[id(p)] for p in new]
             missing = sorted({str(r.optimizer) for r in routes} - set(optimizers))
             if missing:
@@ -90,30 +161,13 @@ def route_added_groups(optimizers: dict[str, Optimizer], routing: Callable[[], R
                     f"{[r.name for r in routes if str(r.optimizer) == missing[0]]}. Decide them with "
                     "muon_params=[...] or adamw_params=[...]."
                 )
-            added[0] += 1
+            name = _next_name(optimizers.values())
             for algorithm, optimizer in optimizers.items():
-                _add_group(add[algorithm], optimizer, Routing([r for r in routes if r.optimizer == algorithm],
-                                                               now.params), algorithm, ratio, added[0])
+                lr = asked if optimizer is given else ratio * _lr(optimizer)
+                mine = Routing([r for r in routes if r.optimizer == algorithm], now.params)
+                add[algorithm](unfrozen_group(mine, algorithm, lr, name))
 
         return add_param_group
 
     for optimizer in optimizers.values():
         optimizer.add_param_group = offered_to(optimizer)  # type: ignore[method-assign,assignment]
-
-
-def _add_group(add: Callable[[dict[str, Any]], None], optimizer: Optimizer, routing: Routing, algorithm: str,
-               ratio: float, index: int) -> None:
-    """Add ``routing``'s parameters for ``algorithm`` to ``optimizer`` as one group at ``ratio`` of its lr."""
-    groups = routing.groups(algorithm)
-    if not groups:
-        return
-    group: dict[str, Any] = {
-        "name": f"{GROUP_PREFIX}{index}",
-        "params": [pair for g in groups for pair in g["params"]],
-        "lr": ratio * _lr(optimizer),
-    }
-    if any("matrix_layouts" in g for g in groups):
-        group["matrix_layouts"] = [
-            layout for g in groups for layout in g.get("matrix_layouts", ["flatten"] * len(g["params"]))
-        ]
-    add(group)

@@ -31,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
-from lightning_muon.lightning import _compat, _health
+from lightning_muon.lightning import _compat, _health, _unfreezing
 from lightning_muon.lightning._checks import by_hand
 from lightning_muon.optim import _norms as norms
 
@@ -60,7 +60,8 @@ def step_schedulers(module: LightningModule, *, interval: str, plateau: bool, in
     Lightning steps nothing under manual optimization; the loop calls this where the automatic loop steps:
     ``"step"`` schedulers after each update (``frequency`` counts batches of the epoch, as Lightning's
     ``batch_idx + 1``), ``"epoch"`` ones after the epoch's last batch, and monitor-driven ones once the metrics
-    they read are logged (after a step's validation, after the epoch's ``on_train_epoch_end``).
+    they read are logged (after a step's validation, after the epoch's ``on_train_epoch_end``). A scheduler steps
+    the groups its optimizer was built with: those a finetuning callback added keep the lr the callback gives them.
     """
     trainer = module.trainer
     for config in trainer.lr_scheduler_configs:
@@ -83,7 +84,9 @@ def step_schedulers(module: LightningModule, *, interval: str, plateau: bool, in
                     category=RuntimeWarning,
                 )
                 continue
-        module.lr_scheduler_step(config.scheduler, metric)
+        optimizer = getattr(config.scheduler, "optimizer", None)
+        with _unfreezing.scheduled_groups_only(optimizer) if optimizer is not None else contextlib.nullcontext():
+            module.lr_scheduler_step(config.scheduler, metric)  # (the groups a finetuning callback added: its lr)
 
 
 @functools.cache

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_muon.lightning import _checkpoint, _checks, _compat
 from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig
 from lightning_muon.lightning._first_batch import routing_for, saved_roles
-from lightning_muon.lightning._fit import FitState, build_optimizers
+from lightning_muon.lightning._fit import FitState, build_optimizers, check_resume, checkpoint_record
 from lightning_muon.lightning._hparams import save_hyperparameters, settings_from_checkpoint
 from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings, bind_step
 from lightning_muon.routing import GraphRoles, Routing
@@ -188,7 +188,7 @@ class MuonMixin(_LightningModuleBase):
 
         A step of either inside the parent's ``training_step`` is refused before it moves a weight."""
         config = self._optimizer_config()
-        built, schedulers = build_optimizers(self, self.muon_routing(), config)
+        built, schedulers = build_optimizers(self, self.muon_routing(), config, self._muon_fit)
         optimizers = list(built.values())
         self._muon_loop.guard_steps(self, optimizers)
         if self._muon_fit is not None:
@@ -288,8 +288,8 @@ class MuonMixin(_LightningModuleBase):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        checkpoint[_checkpoint.CHECKPOINT_KEY] = _checkpoint.record(
-            self.muon_routing(), self._muon_roles, self._muon_loop.state_dict(), self._muon_config.to_hparams())
+        checkpoint[_checkpoint.CHECKPOINT_KEY] = checkpoint_record(
+            self, self._muon_config, self._muon_roles, self._muon_loop.state_dict(), self._muon_fit)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -302,7 +302,7 @@ class MuonMixin(_LightningModuleBase):
             self._muon_config = settings_from_checkpoint(checkpoint, saved, self._muon_config, MuonMixin)
         self._load_roles(saved, resuming)
         if resuming:  # optimizer states follow: they must meet the parameters they were saved for
-            _checkpoint.check_resume(saved, self.muon_routing(), self)
+            check_resume(self, checkpoint, saved, self.muon_routing(), self._muon_fit)
         self._muon_loop.load_state_dict(saved)
 
     def _load_roles(self, saved: dict[str, Any], resuming: bool) -> None:

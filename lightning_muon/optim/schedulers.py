@@ -94,6 +94,7 @@ class WarmupCosine(LambdaLR):
             self.total_steps = fit_total
             # The optimizer's restored lrs are the old schedule's (0 at its end): set this update's.
             lrs = [base * self.factor(self.last_epoch) for base in self.base_lrs]
-            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            # (the groups it was built with come first; any added later, by a finetuning callback, keep theirs)
+            for group, lr in zip(self.optimizer.param_groups[: len(lrs)], lrs, strict=True):
                 group["lr"] = lr
             self._last_lr = lrs

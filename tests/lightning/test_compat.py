@@ -10,7 +10,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, LearningRateFinder
+from lightning.pytorch.callbacks import BaseFinetuning, Callback, GradientAccumulationScheduler, LearningRateFinder
 from lightning.pytorch.core import optimizer as core_optimizer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -37,6 +37,8 @@ FIX = "Lightning {} changed this private API: update lightning_muon/lightning/_c
         (_TrainingEpochLoop, "_num_ready_batches_reached", "ends_epoch"),
         (LearningRateFinder, "_update_attr", "lr_finder_updates_attr"),
         (core_optimizer, "_configure_optimizers", "optimizers_and_schedulers"),
+        (BaseFinetuning, "_internal_optimizer_metadata", "store_finetuning_groups"),
+        (BaseFinetuning, "_apply_mapping_to_param_groups", "store_finetuning_groups"),
     ],
 )
 def test_the_private_names_exist(owner, name, wrapper):
