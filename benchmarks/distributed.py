@@ -29,12 +29,23 @@ mean.
     python benchmarks/distributed.py --quick    # width-128 matrices, seconds
     python benchmarks/distributed.py --plan     # the computed split only, a second
     python benchmarks/distributed.py --agreement  # step time with and without the gradient agreement
+    python benchmarks/distributed.py --tensor-parallel --write  # TP(2) and dp=2 x tp=2: work and bytes per rank
 
 ``--agreement`` times, on 2 gloo ranks and the width-128 matrices, a DDP split step with the
 agreement on which parameters have gradients (one all-reduce of a CPU tensor, no device sync)
 and without it (every rank trusting its own flags), and the agreement alone. On a GPU the point is
 the device sync the old path made (``.tolist()`` of a device tensor waits for all queued work),
 which a CPU cannot show.
+
+``--tensor-parallel`` counts, not times, what Muon does under tensor parallelism: the example model
+`lightning_muon.examples.parallel_gpt.ParallelGPT` at GPT-2-small's size (12 layers, width 768, SwiGLU 3072), laid
+out by its own ``parallelize`` (Lightning's tutorial plan over the ``tensor_parallel`` mesh dim, and for 2-D
+``fully_shard`` over ``data_parallel``) on gloo CPU ranks, gradients from one small batch, one Muon step over the
+block matrices. Per rank, from the strategy's own accounting (``Muon.strategy``, and the chosen strategy's
+``ns_flops`` and ``exchanged_bytes``): the Newton-Schulz FLOPs against one process's over the same matrices (the
+same step without a process group), and the bytes sent against the minimum of the owner exchange (every matrix
+element once to its owner and once back, in the exchange dtype). With ``--write`` it goes to
+``benchmarks/results/distributed_tp.md`` and its own ``benchmarks/RESULTS.md`` section.
 
 Prints the table; with ``--write`` also writes ``benchmarks/results/distributed.md`` (and its
 ``benchmarks/RESULTS.md`` section).
@@ -57,7 +68,7 @@ import lightning_muon.optim._update as muon_module
 from lightning_muon import Muon
 from lightning_muon.optim._plan import Job, assign_owners, balance, exchange_rounds, plan_jobs, round_bytes
 from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES
-from lightning_muon.optim.groups import DEFAULT_BATCH_BYTES_ACCELERATOR
+from lightning_muon.optim.groups import DEFAULT_BATCH_BYTES_ACCELERATOR, ns_dtype
 
 import _common
 import _report
@@ -243,6 +254,99 @@ def agreement_report(repeats: int) -> Table:
     return table
 
 
+#: The tensor-parallel layouts ``--tensor-parallel`` counts: (name, data-parallel size, tensor-parallel size,
+#: split_ns).
+TENSOR_PARALLEL = (
+    ("TP(2), split_ns=True", 1, 2, True),
+    ("TP(2), split_ns=False", 1, 2, False),
+    ("dp=2 x tp=2 (FSDP2 over TP), split_ns=True", 2, 2, True),
+)
+#: `ParallelGPT` at GPT-2-small's size: 12 blocks of wq, wk, wv, wo (768 x 768), w1, w3 (3072 x 768), w2 (768 x 3072).
+TP_MODEL = {"n_layer": 12, "n_head": 12, "n_embd": 768, "hidden": 3072, "block_size": 32}
+
+
+def tp_model_and_muon(split_ns: bool, device_mesh=None):
+    """The model (seed 0, so every rank builds the same), laid out by its own `parallelize` over ``device_mesh``
+    (none: one process), its block matrices' gradients from one batch of 2 x 32 bytes, and a `Muon` over them."""
+    from torch.nn import functional as F
+
+    from lightning_muon.examples.parallel_gpt import ParallelGPT, parallelize
+
+    torch.manual_seed(0)
+    model = ParallelGPT(**TP_MODEL)
+    if device_mesh is not None:
+        parallelize(model, device_mesh)
+    tokens = torch.randint(256, (2, TP_MODEL["block_size"] + 1), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    matrices = [p for name, p in model.named_parameters() if name.startswith("blocks.") and p.ndim == 2]
+    return matrices, Muon(matrices, lr=0.02, momentum=0.95, weight_decay=0.01, split_ns=split_ns)
+
+
+def counted_step(muon: Muon, matrices: list[torch.Tensor]) -> dict:
+    """One step of ``muon``; what its strategy counted (private counters: no public API) and where it ran."""
+    muon.step()
+    chosen = muon._choice.chosen
+    info = muon.strategy
+    return {"kind": info.kind, "fallback": info.fallback, "ranks": info.ranks, "ns_flops": chosen.ns_flops,
+            "sent": chosen.exchanged_bytes, "numel": sum(p.numel() for p in matrices),
+            "param_bytes": sum(p.numel() * p.element_size() for p in matrices),
+            "ns_bytes": ns_dtype(muon.param_groups[0]).itemsize}
+
+
+def tp_worker(rank: int, world: int, data_parallel: int, split_ns: bool, init_file: str, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (data_parallel, world // data_parallel),
+                            mesh_dim_names=("data_parallel", "tensor_parallel"))  # as ModelParallelStrategy's
+    matrices, muon = tp_model_and_muon(split_ns, mesh)
+    torch.save(counted_step(muon, matrices), f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def tensor_parallel_report() -> tuple[Table, dict]:
+    """The table of ``--tensor-parallel`` and the counts behind it (one process's, then each layout's ranks)."""
+    torch.set_num_threads(1)
+    matrices, muon = tp_model_and_muon(split_ns=True)
+    single = counted_step(muon, matrices)
+    counts: dict = {"one process": [single]}
+    for name, data_parallel, tensor_parallel, split_ns in TENSOR_PARALLEL:
+        world = data_parallel * tensor_parallel
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(tp_worker, args=(world, data_parallel, split_ns, os.path.join(tmp, "init"), tmp), nprocs=world,
+                     join=True)
+            counts[name] = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    table = Table(title="Muon under tensor parallelism: Newton-Schulz FLOPs and bytes per rank, counted by the "
+                        "strategy (ParallelGPT at GPT-2-small's size, one step)")
+    for column in ("layout", "Muon's path", "NS FLOPs per rank / one process's", "max", "bytes sent, all ranks",
+                   "/ minimum"):
+        table.add_column(column, justify="left" if column in ("layout", "Muon's path") else "right")
+    total = single["ns_flops"]
+    for name, ranks in counts.items():
+        first = ranks[0]
+        if first["kind"] == "sharded":
+            path = f"sharded: owner exchange over {first['ranks']} ranks"
+        elif first["fallback"]:
+            path = "local, fallback: every rank all of it"
+        elif name == "one process":
+            path = "local: this process all of it"
+        else:
+            path = "local: every rank all of it"
+        shares = [r["ns_flops"] / total for r in ranks]
+        sent = sum(r["sent"] for r in ranks)
+        minimum = 2 * first["numel"] * first["ns_bytes"]  # every element to its owner and back, once
+        if name == "one process":
+            bytes_cells = ["0", ""]
+        elif first["kind"] == "sharded":
+            bytes_cells = [f"{sent:,}", f"{sent / minimum:.2f}"]
+        else:  # DTensor.full_tensor's all-gathers, which Muon does not count
+            bytes_cells = ["not counted", "fallback" if first["fallback"] else ""]
+        table.add_row(name, path, " / ".join(f"{x:.2f}" for x in shares), f"{max(shares):.2f}", *bytes_cells)
+    return table, counts
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="width-128 matrices instead of GPT-2-small")
@@ -251,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="print only the computed split at 2-64 ranks (no processes, about a second)")
     parser.add_argument("--agreement", action="store_true",
                         help="time only a step with and without the gradient agreement (2 ranks, width-128)")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="count only the Newton-Schulz work and bytes per rank under TP(2) and dp=2 x tp=2 "
+                             "(2 and 4 gloo ranks, GPT-2-small-sized ParallelGPT; --write: results/distributed_tp.md)")
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/distributed.md and its RESULTS.md section (else: print)")
     args = parser.parse_args(argv)
@@ -262,6 +369,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.agreement:
         console.print(agreement_report(args.repeats or 200))
+        return
+    if args.tensor_parallel:
+        tensor_parallel(console, argv, args.write)
         return
     layers, width, name = (4, 128, "width-128") if args.quick else (12, 768, "GPT-2-small")
     repeats = args.repeats or (20 if args.quick else 3)
@@ -322,6 +432,37 @@ def main(argv: list[str] | None = None) -> None:
         path = _report.write("distributed", "Distributed Newton-Schulz", _report.command("distributed.py", argv),
                              details, [table, plan_table, memory_table], notes)
         console.print(f"wrote {path}")
+
+
+def tensor_parallel(console, argv: list[str] | None, write: bool) -> None:
+    """``--tensor-parallel``: print the counts, and with ``write`` record them."""
+    table, counts = tensor_parallel_report()
+    console.print(table)
+    single = counts["one process"][0]
+    details = (f"{_common.machine(threads=1)} per rank; {single['numel']:,} Muon matrix elements (fp32, "
+               f"{single['param_bytes']:,} bytes), Newton-Schulz in the default bf16: "
+               f"{single['ns_flops'] / 1e9:.1f} GFLOP a step on one process")
+    console.print(details)
+    if not write:
+        return
+    notes = (
+        "Counted, not timed: each rank's own strategy (`Muon.strategy` says the path; the chosen strategy's "
+        "`ns_flops` and `exchanged_bytes` are its counts of the step), against one process stepping the same "
+        "matrices (`LocalStep`, every FLOP). NS FLOPs per rank are listed rank by rank (rank 0 / 1 / ...). "
+        "Bytes are what all ranks sent together in Muon's two all-to-alls (every shard to its matrix's owner, every "
+        "result back, in bf16), self-sends included; the minimum is every Muon matrix element sent once to its "
+        "owner and once back (2 x 2 bytes an element). Under TP(2) the colwise weights (`Shard(0)`) travel as row "
+        "shards and the rowwise ones (`Shard(1)`) as column shards; each matrix is orthogonalised whole on one "
+        "rank, owners balanced by FLOPs over the parameters.\n\n"
+        "2-D (dp=2 x tp=2, `fully_shard` over tensor parallel: placements `(_StridedShard(0), Shard(0))` and "
+        "`(Shard(0), Shard(1))` on the 2-D mesh) is not split yet: Muon falls back to every rank gathering "
+        "(`DTensor.full_tensor()`, fp32, not counted by Muon) and orthogonalising every whole matrix, so each of "
+        "the 4 ranks runs 1.00x one process's Newton-Schulz FLOPs; Muon says so once, as a warning, at the first "
+        "step. `split_ns=False` under TP(2) is the same repetition on purpose, the peer of the split row.\n"
+    )
+    path = _report.write("distributed_tp", "Distributed Newton-Schulz under tensor parallelism",
+                         _report.command("distributed.py", argv), details, [table], notes)
+    console.print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,9 @@ from torch.nn import functional as F
 from lightning_muon import MuonMixin
 from lightning_muon.examples.text_data import StdlibTextDataModule
 
-__all__ = ["GPT", "ByteLM", "CharGPT", "StdlibTextDataModule", "pretrained_weights"]
+__all__ = [
+    "GPT", "ByteLM", "CharGPT", "ReportingByteLM", "StdlibTextDataModule", "pretrained_weights", "result_line",
+]
 
 VOCAB_SIZE = 256  # bytes
 
@@ -102,7 +104,25 @@ class ByteLM(L.LightningModule):
         self.log("val_bpb", loss / math.log(2), on_epoch=True, sync_dist=True)
 
 
-class GPT(ByteLM):
+class ReportingByteLM(ByteLM):
+    """A `ByteLM` that ends a fit as the shipped GPT configs do: with one result line (`result_line`) printed on
+    rank zero when the fit ended well. `GPT` and `lightning_muon.examples.parallel_gpt.ParallelGPT` are ones."""
+
+    def on_fit_end(self) -> None:
+        """A fit that ended well has its result line (`result_line`), printed at `teardown`."""
+        self._result_line = result_line(self.trainer, type(self).__name__.removeprefix("FSDP"))
+
+    def teardown(self, stage: str) -> None:
+        """The result line, one plain ``print`` on rank zero, after every callback's teardown: by then tqdm's bar
+        is closed (``self.print`` would write through it and be lost) and rich's live display has stopped (a line
+        printed before would sit above its last frame)."""
+        super().teardown(stage)
+        line, self._result_line = getattr(self, "_result_line", ""), ""
+        if stage == "fit" and line and self.trainer.is_global_zero:
+            print(line, flush=True)
+
+
+class GPT(ReportingByteLM):
     """A nanoGPT-style byte-level language model (vocabulary 256).
 
     Batches are ``(inputs, targets)`` of shape ``(batch, time)``, targets
@@ -189,19 +209,6 @@ class GPT(ByteLM):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW on every parameter: used by `GPT` alone, never by `CharGPT` (the mixin brings its own pair)."""
         return torch.optim.AdamW(self.parameters(), lr=1e-3, betas=(0.9, 0.95))
-
-    def on_fit_end(self) -> None:
-        """A fit that ended well has its result line (`result_line`), printed at `teardown`."""
-        self._result_line = result_line(self.trainer, type(self).__name__.removeprefix("FSDP"))
-
-    def teardown(self, stage: str) -> None:
-        """The result line, one plain ``print`` on rank zero, after every callback's teardown: by then tqdm's bar
-        is closed (``self.print`` would write through it and be lost) and rich's live display has stopped (a line
-        printed before would sit above its last frame)."""
-        super().teardown(stage)
-        line, self._result_line = getattr(self, "_result_line", ""), ""
-        if stage == "fit" and line and self.trainer.is_global_zero:
-            print(line, flush=True)
 
 
 def pretrained_weights(path: str | os.PathLike) -> dict[str, Tensor]:

@@ -1,8 +1,9 @@
 """Run by tests/test_tensor_parallel.py in a subprocess (Lightning's ModelParallelStrategy re-launches this script
-for the other ranks): a small attention + SwiGLU language model under `MuonMixin`, tensor parallel with the plan
-of Lightning's tensor-parallel tutorial (the attention and feed-forward projections parallelised, the embedding,
-norms and head left plain tensors), and with ``--data-parallel 2`` FSDP2 over the other mesh dimension (Lightning's
-2-D example); with ``--devices 1`` the same model in one process. Saves every rank's
+for the other ranks): the shipped example `lightning_muon.examples.parallel_gpt.ParallelGPT` (attention + SwiGLU
+blocks) at a tiny size under `MuonMixin`, tensor parallel with the plan of Lightning's tensor-parallel tutorial
+(the attention and feed-forward projections parallelised, the embedding, norms and head left plain tensors), and
+with ``--data-parallel 2`` FSDP2 over the other mesh dimension (Lightning's 2-D example), both by the example's own
+``configure_model``; with ``--devices 1`` the same model in one process. Saves every rank's
 gathered parameters, first-batch roles and groups to ``out``; optionally saves a checkpoint at the end or resumes
 from one.
 
@@ -18,69 +19,24 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from lightning_muon import Muon, MuonMixin, MuonMonitor, MuonWithAdamW
+from lightning_muon.examples.parallel_gpt import ParallelGPT
 from lightning_muon.optim._dtensor import is_dtensor
 
 from helpers import EndProcessGroup, SaveCheckpointAtEnd, muon_factory
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ = 64, 32, 4, 64, 16
 
-#: Lightning's tensor-parallel tutorial plan for one block.
-TUTORIAL_PLAN = {
-    "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel(),
-    "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel(),
-}
 
+class TinyLM(ParallelGPT):
+    """The shipped example model (its blocks, Lightning's tutorial plan and 2-D FSDP2 in ``configure_model``) at a
+    tiny size, on tokens of its own; built from seed 0 whatever the global seed."""
 
-class Block(nn.Module):
     def __init__(self) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
-        self.w1, self.w3 = nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(DIM, HIDDEN, bias=False)
-        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        h = self.norm1(x)
-        # -1 heads: under tensor parallelism each rank holds HEADS / tp of them
-        q, k, v = (w(h).view(b, s, -1, DIM // HEADS).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
-        x = x + self.wo(attention)
-        h = self.norm2(x)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
-
-
-class TinyLM(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            self.embedding = nn.Embedding(VOCAB, DIM)
-            self.blocks = nn.ModuleList([Block() for _ in range(2)])
-            self.norm = nn.RMSNorm(DIM)
-            self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def configure_model(self) -> None:
-        if self._device_mesh is None:  # one process
-            return
-        for block in self.blocks:
-            parallelize_module(block, self.device_mesh["tensor_parallel"], TUTORIAL_PLAN)
-        data_parallel = self.device_mesh["data_parallel"]
-        if data_parallel.size() > 1:  # 2-D: FSDP2 over the data-parallel dimension, as Lightning's 2-D example
-            for block in self.blocks:
-                fully_shard(block, mesh=data_parallel)
-            fully_shard(self, mesh=data_parallel)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.norm(x))
+            super().__init__(n_layer=2, n_head=HEADS, n_embd=DIM, hidden=HIDDEN, block_size=SEQ, vocab_size=VOCAB)
 
     def training_step(self, batch, batch_idx):
         (tokens,) = batch

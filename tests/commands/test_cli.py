@@ -17,9 +17,13 @@ import yaml
 from lightning_muon.commands.cli import main
 from lightning_muon.commands.config_files import SHIPPED, config_chain, expand_configs, shipped_configs
 
+from helpers import read_metrics
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = shipped_configs()
 DISTRIBUTED = {"gpt_muon_ddp.yaml", "gpt_muon_fsdp2.yaml"}
+#: The tensor-parallel configs and their processes: fitted with their logger, checkpoint and result line.
+TENSOR_PARALLEL = {"gpt_muon_tp.yaml": 2, "gpt_muon_2d.yaml": 4}
 FAST = ["--trainer.fast_dev_run", "2", "--trainer.enable_progress_bar", "false"]
 
 
@@ -43,15 +47,18 @@ def parametrized_configs(test) -> list[str]:
 def test_every_shipped_config_is_tested():
     names = {p.name for p in CONFIGS}
     assert {"gpt_muon.yaml", "gpt_adamw.yaml", "gpt_muon_ddp.yaml", "gpt_torch_muon.yaml", "cnn_muon.yaml",
-            "existing_module_muon.yaml", "gpt_muon_fsdp2.yaml"} <= names
-    # Every configs/*.yaml is fitted through the real command, exactly once: in process, or on 2 processes.
+            "existing_module_muon.yaml", "gpt_muon_fsdp2.yaml", "gpt_muon_tp.yaml", "gpt_muon_2d.yaml"} <= names
+    # Every configs/*.yaml is fitted through the real command, exactly once: in process, or on several processes.
     in_process = parametrized_configs(test_config_fits_through_main)
     two_processes = parametrized_configs(test_distributed_config_fits_with_two_processes)
-    assert sorted(in_process + two_processes) == sorted(names)
+    tensor_parallel = parametrized_configs(test_tensor_parallel_config_ends_with_its_result_line)
+    assert sorted(in_process + two_processes + tensor_parallel) == sorted(names)
     assert set(two_processes) == DISTRIBUTED  # no stale or misspelt name: each of them really runs distributed
+    assert set(tensor_parallel) == set(TENSOR_PARALLEL)
 
 
-@pytest.mark.parametrize("config", [p for p in CONFIGS if p.name not in DISTRIBUTED], ids=lambda p: p.name)
+@pytest.mark.parametrize("config", [p for p in CONFIGS if p.name not in DISTRIBUTED | TENSOR_PARALLEL.keys()],
+                         ids=lambda p: p.name)
 def test_config_fits_through_main(config, capsys):
     main(["fit", "--config", config.name, *FAST])
     out = capsys.readouterr().out
@@ -76,6 +83,44 @@ def test_distributed_config_fits_with_two_processes(config):
     path = {"gpt_muon_ddp.yaml": "Muon: Newton-Schulz split over 2 DDP ranks",
             "gpt_muon_fsdp2.yaml": "Muon: Newton-Schulz on FSDP2 owner ranks: 2 ranks"}[config.name]
     assert sum(line.startswith(path) for line in output.splitlines()) == 1, output[-3000:]
+
+
+#: A few seconds of a tensor-parallel config: 2 updates, both logged, one validation batch, a 200 kB corpus.
+SHORT_PARALLEL_JOB = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches",
+                      "1", "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+                      "--data.init_args.max_bytes", "200000"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("config", [SHIPPED / name for name in TENSOR_PARALLEL], ids=lambda p: p.name)
+def test_tensor_parallel_config_ends_with_its_result_line(config, tmp_path):
+    """Through the real command from an empty directory, with its logger and checkpoint: every rank starts, Muon
+    says its path once (TP(2): the owner exchange; 2-D: the whole-matrix fallback, a warning), the fit ends with
+    the example's result line, and the metrics file holds the losses and `MuonMonitor`'s keys."""
+    ranks = TENSOR_PARALLEL[config.name]
+    result = subprocess.run(
+        ["lightning-muon", "fit", "--config", config.name, *SHORT_PARALLEL_JOB,
+         "--data.init_args.cache_dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=300,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 or aborted_at_exit_after_fit(result), result.stderr[-3000:]
+    assert f"GLOBAL_RANK: {ranks - 1}, MEMBER: {ranks}/{ranks}" in output
+    path = {"gpt_muon_tp.yaml": "Muon: Newton-Schulz on tensor-parallel owner ranks: 2 ranks",
+            "gpt_muon_2d.yaml": "Muon: every rank gathers and orthogonalises every whole matrix (not split"}
+    assert sum(path[config.name] in line for line in output.splitlines()) == 1, output[-3000:]
+    logs = Path("lightning_logs") / config.stem / "version_0"
+    line = (rf"CharParallelGPT: val_loss \d+\.\d{{4}}, val_bpb \d+\.\d{{4}} after 2 steps; "
+            rf"checkpoint and metrics in {re.escape(logs.as_posix())}")
+    assert any(re.fullmatch(line, out) for out in result.stdout.splitlines()), result.stdout[-2000:]
+    assert list((logs / "checkpoints").iterdir())  # a distributed checkpoint: a directory
+    rows = read_metrics(logs)
+    logged = {key for row in rows for key, value in row.items() if value}
+    assert {"train_loss", "val_loss", "val_bpb", "lr-Muon/hidden", "lr-AdamW/embeddings", "lr-AdamW/head",
+            "muon/orthogonality_error", "muon/update_rms"} <= logged, sorted(logged)
+    errors = [float(row["muon/orthogonality_error"]) for row in rows if row.get("muon/orthogonality_error")]
+    assert len(errors) == 2 and all(0 < e < 1 for e in errors), errors
 
 
 def aborted_at_exit_after_fit(result: subprocess.CompletedProcess) -> bool:

@@ -19,6 +19,7 @@ from lightning_muon.examples import text_data
 from lightning_muon.examples.char_gpt import GPT, CharGPT, StdlibTextDataModule
 from lightning_muon.examples.digits_cnn import CNN, DigitsCNN, DigitsDataModule
 from lightning_muon.examples.existing_module import MuonLightningTransformer, StdlibWindowsDataModule
+from lightning_muon.examples.parallel_gpt import TP_PLAN, CharParallelGPT, ParallelGPT
 from lightning_muon.routing import ADAMW, MUON, route_parameters
 
 from helpers import make_trainer, read_metrics
@@ -182,6 +183,21 @@ def test_char_gpt_routes_blocks_to_muon_and_embeddings_head_norms_to_adamw(tie_w
     assert route_parameters(GPT(tie_weights=tie_weights, bias=bias)).routes == routing.routes
 
 
+def test_parallel_gpt_routes_the_tutorial_plans_matrices_to_muon_and_the_plain_tensors_to_adamw():
+    """What Lightning's tensor-parallel plan parallelises is exactly what Muon trains; what it leaves plain
+    (embeddings, norms, head) is AdamW's."""
+    routing = CharParallelGPT(n_layer=2).muon_routing()
+    assert set(routing.names(MUON)) == {f"blocks.{i}.{name}.weight" for i in range(2) for name in TP_PLAN}
+    groups = {group["name"]: {name for name, _ in group["params"]} for group in routing.groups(ADAMW)}
+    norms = {f"blocks.{i}.norm{k}.weight" for i in range(2) for k in (1, 2)} | {"norm.weight"}
+    assert groups == {"embeddings": {"embedding.weight", "wpe.weight"}, "head": {"lm_head.weight"},
+                      "norms_and_biases": norms}
+    assert route_parameters(ParallelGPT(n_layer=2)).routes == routing.routes
+    assert ParallelGPT(n_embd=64).hidden == 192  # 3 x n_embd by default
+    with pytest.raises(ValueError, match="n_head must divide n_embd, got n_head=3 and n_embd=64"):
+        ParallelGPT(n_head=3, n_embd=64)
+
+
 def test_digits_cnn_routes_stem_and_classifier_to_adamw_other_kernels_to_muon():
     model = DigitsCNN()
     routing = model.muon_routing()
@@ -337,7 +353,7 @@ def test_demo_transformer_trains_on_the_datamodule_and_never_downloads(tmp_path,
 
 # -------------------------------------------------------- the config surface
 
-CONFIGURABLE = [GPT, CNN, DigitsDataModule, StdlibTextDataModule, StdlibWindowsDataModule]
+CONFIGURABLE = [GPT, ParallelGPT, CNN, DigitsDataModule, StdlibTextDataModule, StdlibWindowsDataModule]
 
 
 @pytest.mark.parametrize("cls", CONFIGURABLE, ids=lambda c: c.__name__)
@@ -358,6 +374,7 @@ def test_constructor_arguments_are_typed_defaulted_and_documented(cls):
     [
         (f"{EX}.char_gpt.CharGPT", f"{EX}.char_gpt.StdlibTextDataModule", ["--model.tie_weights=true"]),
         (f"{EX}.char_gpt.GPT", f"{EX}.char_gpt.StdlibTextDataModule", []),
+        (f"{EX}.parallel_gpt.CharParallelGPT", f"{EX}.char_gpt.StdlibTextDataModule", ["--model.n_layer=1"]),
         (f"{EX}.digits_cnn.DigitsCNN", f"{EX}.digits_cnn.DigitsDataModule", ["--model.channels=8"]),
         (f"{EX}.existing_module.MuonLightningTransformer", f"{EX}.existing_module.StdlibWindowsDataModule",
          ["--model.vocab_size=256"]),
