@@ -4,7 +4,7 @@ blocks) at a tiny size under `MuonMixin`, tensor parallel with the plan of Light
 (the attention and feed-forward projections parallelised, the embedding, norms and head left plain tensors), and
 with ``--data-parallel 2`` FSDP2 over the other mesh dimension (Lightning's 2-D example), both by the example's own
 ``configure_model``; with ``--devices 1`` the same model in one process. Saves every rank's
-gathered parameters, first-batch roles and groups to ``out``; optionally saves a checkpoint at the end or resumes
+gathered parameters, first-batch roles and groups to ``out``; optionally keeps every epoch's checkpoint or resumes
 from one.
 
 ``helpers`` imports without a ``sys.path`` edit: running a script puts its own directory first on ``sys.path``."""
@@ -24,7 +24,7 @@ from lightning_muon import Muon, MuonMixin, MuonMonitor, MuonWithAdamW
 from lightning_muon.examples.parallel_gpt import ParallelGPT
 from lightning_muon.optim._dtensor import is_dtensor
 
-from helpers import EndProcessGroup, SaveCheckpointAtEnd, muon_factory
+from helpers import EndProcessGroup, epoch_checkpoints, muon_factory
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ = 64, 32, 4, 64, 16
 
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--clip-algorithm", default="norm")
     parser.add_argument("--one-optimizer", action="store_true", help="MuonWithAdamW under Lightning's own loop")
-    parser.add_argument("--save", default=None, help="save a checkpoint there at the end")
+    parser.add_argument("--save", default=None, help="keep every epoch's checkpoint in this directory")
     parser.add_argument("--ckpt", default=None, help="resume from this checkpoint")
     parser.add_argument("--monitor", action="store_true", help="MuonMonitor every step, into out/metrics.csv")
     args = parser.parse_args(argv)
@@ -113,12 +113,12 @@ def main(argv: list[str] | None = None) -> None:
     dp = args.data_parallel
     strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=args.devices // dp) \
         if args.devices > 1 else "auto"
-    callbacks = [SaveRank(args.out), EndProcessGroup()] + ([SaveCheckpointAtEnd(Path(args.save))] if args.save else [])
+    callbacks = [SaveRank(args.out), EndProcessGroup()] + ([epoch_checkpoints(Path(args.save))] if args.save else [])
     callbacks += [MuonMonitor(log_every_n_steps=1)] if args.monitor else []
     logger = CSVLogger(args.out, name="", version="") if args.monitor else False
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
-        max_epochs=args.max_epochs, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+        max_epochs=args.max_epochs, logger=logger, log_every_n_steps=1, enable_checkpointing=args.save is not None,
         enable_progress_bar=False,
         enable_model_summary=False, callbacks=callbacks, gradient_clip_val=args.clip,
         gradient_clip_algorithm=args.clip_algorithm,
