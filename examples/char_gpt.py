@@ -84,7 +84,8 @@ class ByteLM(L.LightningModule):
     """The steps of a byte-level language model (vocabulary 256) on ``(inputs, targets)`` windows of shape
     ``(batch, time)``, targets shifted by one: cross-entropy of ``forward``'s logits ``(batch, time, 256)``,
     logged as ``train_loss`` and, per validation epoch, ``val_loss`` and ``val_bpb`` (bits per byte,
-    ``val_loss / ln 2``). `GPT` and `lightning_muon.examples.third_party.ThirdPartyLM` are ones."""
+    ``val_loss / ln 2``); a fit that ends well prints one line of them (`result_line`). `GPT`,
+    `lightning_muon.examples.lora.LoraGPT` and `lightning_muon.examples.third_party.ThirdPartyLM` are ones."""
 
     def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, targets = batch
@@ -100,6 +101,19 @@ class ByteLM(L.LightningModule):
         loss = self.loss(batch)
         self.log("val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True)
         self.log("val_bpb", loss / math.log(2), on_epoch=True, sync_dist=True)
+
+    def on_fit_end(self) -> None:
+        """A fit that ended well has its result line (`result_line`), printed at `teardown`."""
+        self._result_line = result_line(self.trainer, type(self).__name__.removeprefix("FSDP"))
+
+    def teardown(self, stage: str) -> None:
+        """The result line, one plain ``print`` on rank zero, after every callback's teardown: by then tqdm's bar
+        is closed (``self.print`` would write through it and be lost) and rich's live display has stopped (a line
+        printed before would sit above its last frame)."""
+        super().teardown(stage)
+        line, self._result_line = getattr(self, "_result_line", ""), ""
+        if stage == "fit" and line and self.trainer.is_global_zero:
+            print(line, flush=True)
 
 
 class GPT(ByteLM):
@@ -189,19 +203,6 @@ class GPT(ByteLM):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW on every parameter: used by `GPT` alone, never by `CharGPT` (the mixin brings its own pair)."""
         return torch.optim.AdamW(self.parameters(), lr=1e-3, betas=(0.9, 0.95))
-
-    def on_fit_end(self) -> None:
-        """A fit that ended well has its result line (`result_line`), printed at `teardown`."""
-        self._result_line = result_line(self.trainer, type(self).__name__.removeprefix("FSDP"))
-
-    def teardown(self, stage: str) -> None:
-        """The result line, one plain ``print`` on rank zero, after every callback's teardown: by then tqdm's bar
-        is closed (``self.print`` would write through it and be lost) and rich's live display has stopped (a line
-        printed before would sit above its last frame)."""
-        super().teardown(stage)
-        line, self._result_line = getattr(self, "_result_line", ""), ""
-        if stage == "fit" and line and self.trainer.is_global_zero:
-            print(line, flush=True)
 
 
 def pretrained_weights(path: str | os.PathLike) -> dict[str, Tensor]:
