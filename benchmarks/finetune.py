@@ -1,4 +1,4 @@
-"""Fine-tuning: does Muon lose on a model pretrained with AdamW?
+"""Fine-tuning: does Muon lose on a model pretrained with AdamW? And where do LoRA's matrices belong?
 
 The torchtune Muon pull request found AdamW better than Muon when fine-tuning an AdamW-pretrained model, and
 Moonlight's paper reports the same for mismatched pretrain/fine-tune optimizers. This measures it here:
@@ -6,13 +6,25 @@ Moonlight's paper reports the same for mismatched pretrain/fine-tune optimizers.
 1. pretrain the shipped byte-level GPT (``gpt_adamw.yaml``: 4 layers, width 128, AdamW at its tuned lr) on the
    standard library's Python sources (``--pretrain-steps`` steps), through ``lightning-muon fit``;
 2. fine-tune it on different text, the English of Python's own documentation (``pydoc_data/topics.py``, which the
-   pretraining corpus does not hold), three ways, each swept and seeded by ``lightning-muon compare``:
-   AdamW alone; Muon + AdamW (Muon's own lr scale); and Muon at AdamW's lr scale through
-   ``adjust_lr_fn="match_rms_adamw"``. The non-matrix parameters keep AdamW at the AdamW side's config lr in
-   all three, so the sides differ only in how the hidden matrices are updated.
+   pretraining corpus does not hold), each side swept and seeded by ``lightning-muon compare``:
 
-    python benchmarks/finetune.py --write            # ~35 min on 2 cores
+   - full fine-tuning (every weight trains): AdamW alone (``ft_adamw``); Muon + AdamW (``ft_muon``, Muon's own
+     lr scale); Muon at AdamW's lr scale through ``adjust_lr_fn="match_rms_adamw"`` (``ft_muon_match``). The
+     non-matrix parameters keep AdamW at the AdamW side's config lr, so these differ only in how the hidden
+     matrices are updated;
+   - LoRA (`lightning_muon.examples.lora.MuonLoraGPT`: the pretrained model frozen, rank-8 adapters on the block
+     matrices, ``lora_A`` ``r x in`` and ``lora_B`` ``out x r``), placed by the mixin's routing settings: both on
+     AdamW (``lora_adamw``, ``muon: null``), both on Muon (``lora_muon``, the default routing: they are hidden
+     matrices), or split (``lora_a_muon``: ``adamw_params: ["*lora_B*"]``; ``lora_b_muon``:
+     ``adamw_params: ["*lora_A*"]``). A split side sweeps its Muon lr with the AdamW half at ``lora_adamw``'s
+     tuned lr, so the AdamW sides are fitted first.
+
+The table holds every side against the tuned ``lora_adamw``; the verdicts put each LoRA side against it and each
+full fine-tuning side against ``ft_adamw``.
+
+    python benchmarks/finetune.py --write            # every side, 3 seeds
     python benchmarks/finetune.py --pretrain-steps 20 --steps 10 --seeds 1 --multipliers 1 --out /tmp/ft  # trial
+    python benchmarks/finetune.py --sides lora_adamw,lora_muon --out /tmp/ft   # some sides only
 """
 
 from __future__ import annotations
@@ -39,11 +51,22 @@ import _report
 
 ADAMW_LR = 0.00075  # gpt_adamw.yaml's: the best AdamW lr of benchmarks/quality.py at 300 steps
 MUON_LR = 0.02  # gpt_muon.yaml's
+LORA_ADAMW_LR = 0.003  # gpt_lora_adamw.yaml's: the centre of lora_adamw's sweep
+LORA_MUON_LR = 0.02  # gpt_lora_muon.yaml's: the centre of the LoRA Muon sides' sweeps
+LORA = {"lora_rank": 8, "lora_alpha": 16}  # gpt_lora_muon.yaml's
 SIDES = {
-    "ft_adamw": "AdamW alone",
-    "ft_muon": "Muon + AdamW",
-    "ft_muon_match": "Muon + AdamW, Muon at AdamW's lr scale (adjust_lr_fn=match_rms_adamw)",
+    "lora_adamw": "LoRA, lora_A and lora_B on AdamW (muon: null)",
+    "lora_muon": "LoRA, lora_A and lora_B on Muon (the default routing: hidden matrices)",
+    "lora_a_muon": "LoRA, lora_A on Muon, lora_B on AdamW at lora_adamw's tuned lr (adamw_params: ['*lora_B*'])",
+    "lora_b_muon": "LoRA, lora_B on Muon, lora_A on AdamW at lora_adamw's tuned lr (adamw_params: ['*lora_A*'])",
+    "ft_adamw": "full fine-tuning, AdamW alone",
+    "ft_muon": "full fine-tuning, Muon + AdamW",
+    "ft_muon_match": "full fine-tuning, Muon + AdamW, Muon at AdamW's lr scale (adjust_lr_fn=match_rms_adamw)",
 }
+#: Each side's AdamW-only baseline: a side's verdict is against it.
+BASELINES = {name: "lora_adamw" if name.startswith("lora") else "ft_adamw" for name in SIDES}
+#: The sides whose AdamW lr is ``lora_adamw``'s tuned one (their AdamW half), and the pattern that makes the half.
+SPLIT = {"lora_a_muon": "*lora_B*", "lora_b_muon": "*lora_A*"}
 
 
 def finetune_corpus() -> str:
@@ -87,36 +110,92 @@ def validation_loss(checkpoint: Path, source_dir: str | None, batches: int) -> f
     return float(result["val_loss"])
 
 
-def side_config(name: str, checkpoint: Path, steps: int) -> dict[str, Any]:
-    """A fine-tuning side: the shipped GPT's trainer settings, the fine-tuning corpus, the pretrained weights."""
+def side_config(name: str, checkpoint: Path, steps: int, lora_adamw_lr: float = LORA_ADAMW_LR) -> dict[str, Any]:
+    """A fine-tuning side: the shipped GPT's trainer settings, the fine-tuning corpus, the pretrained weights; a
+    LoRA side's model is `MuonLoraGPT` on them, its AdamW at ``lora_adamw_lr``."""
+    model: dict[str, Any] = {"class_path": "lightning_muon.examples.char_gpt.CharGPT",
+                             "init_args": {"n_layer": 4, "n_embd": 128, "init_from": str(checkpoint)}}
     if name == "ft_adamw":
         optimizers = _tuned.optimizers(None, ADAMW_LR)
     elif name == "ft_muon":
         optimizers = _tuned.optimizers(MUON_LR, ADAMW_LR)
-    else:
+    elif name == "ft_muon_match":
         optimizers = _tuned.optimizers(ADAMW_LR, ADAMW_LR, adjust_lr_fn="match_rms_adamw")
+    else:
+        model = {"class_path": "lightning_muon.examples.lora.MuonLoraGPT",
+                 "init_args": {"init_from": str(checkpoint), **LORA}}
+        optimizers = _tuned.optimizers(None if name == "lora_adamw" else LORA_MUON_LR, lora_adamw_lr)
+        if name in SPLIT:
+            optimizers["adamw_params"] = [SPLIT[name]]
+    model["init_args"].update(optimizers)
     return {
         "seed_everything": 0,
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": steps, "log_every_n_steps": 10,
                     "enable_model_summary": False, "enable_progress_bar": False},
         "data": {"class_path": "lightning_muon.examples.char_gpt.StdlibTextDataModule",
                  "init_args": {"block_size": 128, "batch_size": 32, "seed": 0, "source_dir": finetune_corpus()}},
-        "model": {"class_path": "lightning_muon.examples.char_gpt.CharGPT",
-                  "init_args": {"n_layer": 4, "n_embd": 128, "init_from": str(checkpoint), **optimizers}},
+        "model": model,
     }
+
+
+def parse_sides(text: str) -> list[str]:
+    """``--sides``: names of `SIDES` separated by commas, in `SIDES`' order; an unknown one is an error."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SIDES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown side(s) {', '.join(unknown) or '(none given)'}: choose from "
+                                         f"{', '.join(SIDES)}")
+    return [n for n in SIDES if n in names]
+
+
+def fit_sides(names: Sequence[str], out: Path, checkpoint: Path, args: argparse.Namespace,
+              lora_adamw_lr: float) -> list[list[str]]:
+    """Write the sides' configs and tune them through ``lightning-muon compare`` into ``out/compare`` (a best lr
+    at an end of its grid extended past it); returns the compare commands."""
+    if not names:
+        return []
+    configs = [_tuned.write_config(out / "configs" / f"{name}.yaml",
+                                   side_config(name, checkpoint, args.steps, lora_adamw_lr),
+                                   f"Fine-tuning, {SIDES[name]}; written by benchmarks/finetune.py")
+               for name in names]
+    common = ["--val_points", "6", "--trainer.limit_val_batches", str(args.val_batches)]
+    options = ["--multipliers", args.multipliers, "--seeds", str(args.seeds), *common]
+    print(f"finetune: lightning-muon compare on {', '.join(names)} (output in {out}/compare/)", flush=True)
+    commands = [_tuned.compare(configs, out / "compare", options, args.threads)]
+    _tuned.extend_edges(configs, out / "compare", args.seeds, common, args.threads, label="finetune")
+    return commands
+
+
+def table_baseline(names: Sequence[str]) -> str:
+    """The side the table is against: ``lora_adamw``, else ``ft_adamw``, else the first side run."""
+    return next((b for b in ("lora_adamw", "ft_adamw") if b in names), names[0])
+
+
+def verdicts(out: Path, names: Sequence[str]) -> list[str]:
+    """Each side against its own baseline (`BASELINES`), where that baseline was run."""
+    lines = []
+    for baseline in dict.fromkeys(BASELINES[n] for n in names):
+        members = [n for n in names if BASELINES[n] == baseline and n != baseline]
+        if baseline in names and members:
+            target, results, sides = _tuned.tuned(out, [baseline, *members], baseline)
+            lines += verdict(target, results, sides)
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pretrain-steps", type=int, default=600, help="AdamW pretraining steps (default 600)")
     parser.add_argument("--steps", type=int, default=150, help="fine-tuning steps of every fit (default 150)")
-    parser.add_argument("--seeds", type=int, default=2, help="seeds at each side's best lr (default 2)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds at each side's best lr (default 3)")
     parser.add_argument("--multipliers", default="0.25,0.5,1,2", help="the lr sweep around each side's lr")
+    parser.add_argument("--sides", type=parse_sides, default=list(SIDES),
+                        help=f"the sides to run, separated by commas (default: all of {','.join(SIDES)})")
     parser.add_argument("--val-batches", type=int, default=10, help="validation batches (default 10)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per fit (default: torch's)")
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/finetune.md and RESULTS.md")
     parser.add_argument("--out", default=None, metavar="DIR", help="where the runs go (default: a lightning_logs dir)")
     args = parser.parse_args(argv)
+    names: list[str] = args.sides
     out = Path(args.out or "lightning_logs/finetune").resolve()
     load_before = os.getloadavg()
     started = time.perf_counter()
@@ -129,19 +208,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"  pretrained in {pretrain_s / 60:.1f} min; val loss before fine-tuning: "
           + ", ".join(f"{k} {v:.4f}" for k, v in before.items()), flush=True)
 
-    configs = [_tuned.write_config(out / "configs" / f"{name}.yaml", side_config(name, checkpoint, args.steps),
-                                   f"Fine-tuning, {what}; written by benchmarks/finetune.py")
-               for name, what in SIDES.items()]
-    common = ["--val_points", "6", "--trainer.limit_val_batches", str(args.val_batches)]
-    options = ["--multipliers", args.multipliers, "--seeds", str(args.seeds), *common]
-    print(f"finetune: lightning-muon compare on {len(configs)} sides (output in {out}/compare/)", flush=True)
-    compare_command = _tuned.compare(configs, out / "compare", options, args.threads)
-    if _tuned.extend_edges(configs, out / "compare", args.seeds, common, args.threads, label="finetune"):
-        _tuned.compare([], out / "compare", ["--from-logs", *(str(out / "compare" / "lightning_logs" / name)
-                                                              for name in SIDES)], args.threads)
-    target, results, sides = _tuned.tuned(out / "compare", list(SIDES), "ft_adamw")
+    # The AdamW-only sides first: a split LoRA side's AdamW half runs at lora_adamw's tuned lr.
+    adamw_only = [n for n in names if n in ("lora_adamw", "ft_adamw")]
+    compare_commands = fit_sides(adamw_only, out, checkpoint, args, LORA_ADAMW_LR)
+    lora_adamw_lr = LORA_ADAMW_LR
+    if "lora_adamw" in names:
+        (lora_adamw,) = _tuned.read_sides(out / "compare", ["lora_adamw"])
+        lora_adamw_lr = lora_adamw.best
+    compare_commands += fit_sides([n for n in names if n not in adamw_only], out, checkpoint, args, lora_adamw_lr)
+    baseline = table_baseline(names)
+    compare_commands.append(_tuned.compare([], out / "compare", [
+        "--from-logs", *(str(out / "compare" / "lightning_logs" / n) for n in names), "--baseline", baseline],
+        args.threads))
+    target, results, sides = _tuned.tuned(out / "compare", names, baseline)
     elapsed = time.perf_counter() - started
 
+    split = [n for n in names if n in SPLIT]
     body = [
         f"Machine: {_common.machine(args.threads)} a fit; load average {' '.join(f'{x:.2f}' for x in load_before)} "
         f"before; {datetime.date.today()}. The whole run took {elapsed / 60:.1f} min (pretraining "
@@ -152,13 +234,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         "the English of Python's documentation (`pydoc_data/topics.py`, not in the pretraining corpus), each side's "
         f"lr swept x{{{args.multipliers}}} around its config's at seed 0 (a best lr at an end of the grid followed by "
         f"up to {_tuned.EXTEND} more past it, x2 or x1/2), then seeds 0–{args.seeds - 1} at its best. "
-        f"AdamW keeps the embeddings, norms and head at lr {ADAMW_LR:g} on the Muon sides. Muon's Newton-Schulz runs "
-        "in fp32.",
+        f"Full fine-tuning: AdamW keeps the embeddings, norms and head at lr {ADAMW_LR:g} on the Muon sides. "
+        f"LoRA: `lightning_muon.examples.lora.MuonLoraGPT`, rank {LORA['lora_rank']}, alpha {LORA['lora_alpha']}, "
+        "on every block matrix (qkv, proj, fc), the pretrained weights frozen"
+        + (f"; the split sides' AdamW half at lora_adamw's tuned lr {lora_adamw_lr:g}" if split else "")
+        + ". Muon's Newton-Schulz runs in fp32.",
         "",
         "Val loss of the pretrained model before fine-tuning: "
         + "; ".join(f"{k} {v:.4f}" for k, v in before.items()) + ".",
         "",
-        *[f"- {name}: {what}" for name, what in SIDES.items()],
+        *[f"- {name}: {SIDES[name]}" for name in names],
         "",
         "### lr sweep (seed 0)",
         "",
@@ -166,11 +251,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         "",
         *[f"- {note}." for note in edge_notes(sides)],
         "",
-        "### Each side at its best lr",
+        f"![validation loss by step, by train time, and the lr sweeps]({'finetune' if args.write else 'compare'}"
+        "/comparison.png)",
+        "",
+        f"### Each side at its best lr, against the tuned {baseline}",
         "",
         seeds_table(target, results),
         "",
-        *verdict(target, results, sides),
+        *(verdicts(out / "compare", names) or verdict(target, results, sides)),
         "",
         "The compare report and plot are `comparison.md` and `.png` in `--out`'s `compare/` (with `--write`: "
         "`results/finetune/`, the configs in `results/finetune/configs/`). Produced by:",
@@ -178,10 +266,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         "```bash",
         shlex.join(["python", "benchmarks/finetune.py", *(sys.argv[1:] if argv is None else argv)]),
         f"# pretraining: {shlex.join(pretrain_command)}",
-        f"# fine-tuning: {shlex.join(compare_command)}",
+        *(f"# fine-tuning: {shlex.join(command)}" for command in compare_commands),
         "```",
     ]
-    report = "\n".join(["# Fine-tuning an AdamW-pretrained model: AdamW against Muon, each tuned", "", *body])
+    report = "\n".join(["# Fine-tuning an AdamW-pretrained model: AdamW against Muon, full and LoRA, each tuned", "",
+                        *body])
     print(report, flush=True)
     (out / "finetune.md").write_text(report + "\n")
     if args.write:

@@ -28,7 +28,7 @@ from lightning_muon import MuonMixin
 from lightning_muon.examples.text_data import StdlibTextDataModule
 
 __all__ = [
-    "GPT", "ByteLM", "CharGPT", "ReportingByteLM", "StdlibTextDataModule", "pretrained_weights", "result_line",
+    "GPT", "ByteLM", "CharGPT", "StdlibTextDataModule", "pretrained_weights", "result_line",
 ]
 
 VOCAB_SIZE = 256  # bytes
@@ -86,7 +86,9 @@ class ByteLM(L.LightningModule):
     """The steps of a byte-level language model (vocabulary 256) on ``(inputs, targets)`` windows of shape
     ``(batch, time)``, targets shifted by one: cross-entropy of ``forward``'s logits ``(batch, time, 256)``,
     logged as ``train_loss`` and, per validation epoch, ``val_loss`` and ``val_bpb`` (bits per byte,
-    ``val_loss / ln 2``). `GPT` and `lightning_muon.examples.third_party.ThirdPartyLM` are ones."""
+    ``val_loss / ln 2``); a fit that ends well prints one line of them (`result_line`). `GPT`,
+    `lightning_muon.examples.parallel_gpt.ParallelGPT`, `lightning_muon.examples.lora.LoraGPT` and
+    `lightning_muon.examples.third_party.ThirdPartyLM` are ones."""
 
     def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         inputs, targets = batch
@@ -103,13 +105,9 @@ class ByteLM(L.LightningModule):
         self.log("val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True)
         self.log("val_bpb", loss / math.log(2), on_epoch=True, sync_dist=True)
 
-
-class ReportingByteLM(ByteLM):
-    """A `ByteLM` that ends a fit as the shipped GPT configs do: with one result line (`result_line`) printed on
-    rank zero when the fit ended well. `GPT` and `lightning_muon.examples.parallel_gpt.ParallelGPT` are ones."""
-
     def on_fit_end(self) -> None:
         """A fit that ended well has its result line (`result_line`), printed at `teardown`."""
+        # fully_shard makes the module's class FSDP<its class>: the line names the model's own class
         self._result_line = result_line(self.trainer, type(self).__name__.removeprefix("FSDP"))
 
     def teardown(self, stage: str) -> None:
@@ -122,7 +120,7 @@ class ReportingByteLM(ByteLM):
             print(line, flush=True)
 
 
-class GPT(ReportingByteLM):
+class GPT(ByteLM):
     """A nanoGPT-style byte-level language model (vocabulary 256).
 
     Batches are ``(inputs, targets)`` of shape ``(batch, time)``, targets

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.nn import functional as F
 
 from lightning_muon import MuonMixin
-from lightning_muon.examples.char_gpt import ReportingByteLM
+from lightning_muon.examples.char_gpt import ByteLM
 from lightning_muon.examples.text_data import StdlibTextDataModule
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class Block(nn.Module):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
-class ParallelGPT(ReportingByteLM):
+class ParallelGPT(ByteLM):
     """A Llama-style byte-level language model whose blocks Lightning's ``ModelParallelStrategy`` parallelises.
 
     Batches, logs and the closing result line are `lightning_muon.examples.char_gpt.GPT`'s (``(inputs,

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 __all__ = [
     "SEPARATOR",
     "SKIP_DIRS",
+    "STDLIB",
     "ByteWindows",
     "RandomOffsets",
     "StdlibTextDataModule",
@@ -40,6 +41,7 @@ __all__ = [
     "corpus_key",
     "corpus_path",
     "read_corpus",
+    "source_root",
     "stdlib_dir",
 ]
 
@@ -56,6 +58,22 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+#: What a ``source_dir`` may start with to name a directory of the standard library, wherever it is installed.
+STDLIB = "{stdlib}"
+
+
+def source_root(source_dir: str | os.PathLike | None = None) -> Path:
+    """The directory a ``source_dir`` names: the standard library for ``None``; a leading `STDLIB`
+    (``"{stdlib}/pydoc_data"``) is this Python's standard library, so a config names one of its directories on
+    any machine; any other path as it is."""
+    if source_dir is None:
+        return stdlib_dir()
+    text = os.fspath(source_dir)
+    if text == STDLIB or text.startswith(f"{STDLIB}/"):
+        return stdlib_dir() / text[len(STDLIB):].lstrip("/")
+    return Path(text)
+
+
 def corpus_files(max_bytes: int, source_dir: str | os.PathLike | None = None) -> list[tuple[str, int]]:
     """The ``(relative path, size)`` of the ``.py`` files that make up the first ``max_bytes`` of the corpus.
 
@@ -64,7 +82,7 @@ def corpus_files(max_bytes: int, source_dir: str | os.PathLike | None = None) ->
     not a readable regular file, until their sizes (plus separators) reach
     ``max_bytes``.
     """
-    root = Path(source_dir) if source_dir is not None else stdlib_dir()
+    root = source_root(source_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"source directory {str(root)!r} does not exist (or is not a directory)")
     found: list[tuple[str, int]] = []
@@ -99,7 +117,7 @@ def corpus_key(files: list[tuple[str, int]], max_bytes: int) -> str:
 
 def read_corpus(files: list[tuple[str, int]], max_bytes: int, source_dir: str | os.PathLike | None = None) -> bytes:
     """The files' bytes, each followed by `SEPARATOR`, cut at ``max_bytes``; unreadable files are skipped."""
-    root = Path(source_dir) if source_dir is not None else stdlib_dir()
+    root = source_root(source_dir)
     parts, total = [], 0
     for rel, _ in files:
         try:
@@ -117,7 +135,7 @@ def corpus_path(cache_dir: str | os.PathLike, max_bytes: int, source_dir: str | 
     """Where the corpus of these files and this cap is cached under ``cache_dir`` (it may not exist yet)."""
     files = corpus_files(max_bytes, source_dir)
     if not files:
-        raise FileNotFoundError(f"no readable .py files under {str(source_dir or stdlib_dir())!r}")
+        raise FileNotFoundError(f"no readable .py files under {str(source_root(source_dir))!r}")
     return Path(cache_dir).expanduser() / f"stdlib-{corpus_key(files, max_bytes)}.u8"
 
 
@@ -215,7 +233,11 @@ class StdlibTextDataModule(L.LightningDataModule):
             hash of the files, sizes and ``max_bytes``); ``None`` keeps it in
             memory only and reads the files again on every run.
         source_dir: directory whose ``.py`` files make the corpus (default:
-            the standard library of the running Python).
+            the standard library of the running Python); ``"{stdlib}/NAME"``
+            is the standard library's directory ``NAME`` on any machine
+            (``"{stdlib}/pydoc_data"``: the English of Python's documentation,
+            the text `benchmarks/finetune.py` and ``gpt_lora_muon.yaml``
+            fine-tune on).
     """
 
     vocab_size = 256

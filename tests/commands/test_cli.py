@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_muon.commands.cli import main
@@ -25,6 +26,8 @@ DISTRIBUTED = {"gpt_muon_ddp.yaml", "gpt_muon_fsdp2.yaml"}
 #: The tensor-parallel configs and their processes: fitted with their logger, checkpoint and result line.
 TENSOR_PARALLEL = {"gpt_muon_tp.yaml": 2, "gpt_muon_2d.yaml": 4}
 FAST = ["--trainer.fast_dev_run", "2", "--trainer.enable_progress_bar", "false"]
+#: The configs that fine-tune a pretrained checkpoint: they are given one (``--model.init_from``).
+PRETRAINED = {"gpt_lora_muon.yaml", "gpt_lora_adamw.yaml"}
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +50,8 @@ def parametrized_configs(test) -> list[str]:
 def test_every_shipped_config_is_tested():
     names = {p.name for p in CONFIGS}
     assert {"gpt_muon.yaml", "gpt_adamw.yaml", "gpt_muon_ddp.yaml", "gpt_torch_muon.yaml", "cnn_muon.yaml",
-            "existing_module_muon.yaml", "gpt_muon_fsdp2.yaml", "gpt_muon_tp.yaml", "gpt_muon_2d.yaml"} <= names
+            "existing_module_muon.yaml", "gpt_muon_fsdp2.yaml", "gpt_muon_tp.yaml", "gpt_muon_2d.yaml",
+            *PRETRAINED} <= names
     # Every configs/*.yaml is fitted through the real command, exactly once: in process, or on several processes.
     in_process = parametrized_configs(test_config_fits_through_main)
     two_processes = parametrized_configs(test_distributed_config_fits_with_two_processes)
@@ -59,11 +63,22 @@ def test_every_shipped_config_is_tested():
 
 @pytest.mark.parametrize("config", [p for p in CONFIGS if p.name not in DISTRIBUTED | TENSOR_PARALLEL.keys()],
                          ids=lambda p: p.name)
-def test_config_fits_through_main(config, capsys):
-    main(["fit", "--config", config.name, *FAST])
+def test_config_fits_through_main(config, capsys, tmp_path):
+    pretrained = ["--model.init_from", str(tiny_gpt_checkpoint(tmp_path))] if config.name in PRETRAINED else []
+    main(["fit", "--config", config.name, *pretrained, *FAST])
     out = capsys.readouterr().out
     if config.name.startswith("gpt_"):
         assert "val_bpb" in out  # the example's closing line: val loss and bits per byte
+
+
+def tiny_gpt_checkpoint(directory: Path) -> Path:
+    """A 1-layer, width-16 `GPT` saved as a Lightning checkpoint holds it (weights and hyperparameters)."""
+    from lightning_muon.examples.char_gpt import GPT
+
+    gpt = GPT(n_layer=1, n_head=2, n_embd=16)
+    path = directory / "pretrained.ckpt"
+    torch.save({"state_dict": gpt.state_dict(), "hyper_parameters": dict(gpt.hparams)}, path)
+    return path
 
 
 @pytest.mark.slow

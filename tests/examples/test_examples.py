@@ -93,6 +93,17 @@ def test_corpus_in_memory_without_a_cache_dir_is_the_same(tmp_path):
     assert torch.equal(cached.data, in_memory.data)
 
 
+def test_a_source_dir_under_stdlib_names_the_standard_librarys_directory_anywhere(tmp_path):
+    assert text_data.source_root("{stdlib}/pydoc_data") == text_data.stdlib_dir() / "pydoc_data"
+    assert text_data.source_root("{stdlib}") == text_data.source_root(None) == text_data.stdlib_dir()
+    assert text_data.source_root(tmp_path) == tmp_path and text_data.source_root("{stdlibx}") == Path("{stdlibx}")
+    english = ready(small_text(tmp_path, source_dir="{stdlib}/pydoc_data", max_bytes=50_000))
+    topics = (text_data.stdlib_dir() / "pydoc_data" / "topics.py").read_bytes()  # the docs' English, as strings
+    assert topics[:1000] in bytes(english.data.tolist())
+    with pytest.raises(FileNotFoundError, match=r"source directory '.*nowhere' does not exist"):
+        text_data.corpus_files(1000, "{stdlib}/nowhere")
+
+
 def test_train_windows_are_deterministic_given_seed_and_epoch_and_from_the_head(tmp_path):
     dm = ready(small_text(tmp_path, seed=7))
     batches = list(dm.train_dataloader())

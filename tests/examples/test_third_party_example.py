@@ -153,8 +153,8 @@ def test_the_studies_configs_build_through_the_real_cli(tmp_path):
 
     from lightning_muon.commands.lightning_cli import MuonCLI
 
-    checkpoint = tmp_path / "state.pt"
-    torch.save(GPT().state_dict(), checkpoint)
+    checkpoint = tmp_path / "pretrained.ckpt"  # as a Lightning checkpoint holds it: LoRA sides read the architecture
+    torch.save({"state_dict": GPT().state_dict(), "hyper_parameters": dict(GPT().hparams)}, checkpoint)
     written = {f"{name}_{side}": third_party.config(spec, side == "muon", steps=5)
                for name, spec in third_party.MODELS.items() for side in ("muon", "adamw")
                if name != "litgpt" or importlib.util.find_spec("litgpt") is not None}
@@ -172,8 +172,12 @@ def test_the_studies_configs_build_through_the_real_cli(tmp_path):
         assert muon_args["ns_dtype"] in ("float32", "bfloat16"), name
         if name == "ft_muon_match":
             assert muon_args["adjust_lr_fn"] == "match_rms_adamw"
+        if name.startswith("lora"):  # where the adapters go: both on Muon, or one moved to AdamW by a pattern
+            adapters = {r.name.split(".")[-3]: r.optimizer for r in cli.model.muon_routing().routes}
+            assert adapters == {"lora_A": "AdamW" if name == "lora_b_muon" else "Muon",
+                                "lora_B": "AdamW" if name == "lora_a_muon" else "Muon"}, name
         if name == "gpt2_bf16_standard":
             assert muon_args["ns_gram_aspect"] is None
         if name == "gpt2_bf16_polar":
             assert muon_args["ns_coefficients"] == "polar_express"
-    assert len(written) >= 12
+    assert len(written) >= 16
