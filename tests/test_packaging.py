@@ -187,6 +187,10 @@ def test_without_rich_the_routing_table_is_plain_text(monkeypatch):
 
 
 def test_without_rich_inspect_and_compare_print_plain_text(monkeypatch, tmp_path, capsys):
+    # Lightning's own rich progress bar imports rich.console when rich is installed: import it first, so the
+    # test does not depend on whether an earlier test did (what is tested is our printing without rich).
+    import lightning.pytorch.callbacks.progress.rich_progress  # noqa: F401
+
     from lightning_muon.commands.cli import main
     from lightning_muon.commands.compare.report import Row
     from lightning_muon.commands.compare.run import _Console
