@@ -477,12 +477,20 @@ def run_fsdp2(out: Path, *args: str) -> list[dict]:
     return [{**torch.load(out / f"rank{r}.pt"), "syncs": torch.load(out / f"syncs{r}.pt")} for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def fsdp2_and_one_process(tmp_path_factory) -> tuple[list[dict], dict]:
+    """Two FSDP2 ranks and one process, 4 updates of the same batches each: shared by the equality test and the
+    accumulation test (its reduce-scatter count without accumulation), one launch for both."""
+    out = tmp_path_factory.mktemp("fsdp2")
+    (single,) = train(out / "one", devices=1, steps=4)
+    return run_fsdp2(out / "fsdp2", "--max-steps", "4", "--first-layer-on-muon"), single
+
+
 @pytest.mark.distributed
-def test_fsdp2_two_ranks_equal_one_process(tmp_path):
+def test_fsdp2_two_ranks_equal_one_process(fsdp2_and_one_process):
     """ModelParallelStrategy + fully_shard: every matrix is orthogonalised whole, so sharded training
     matches one process (a per-shard Newton-Schulz would be off by >10%, see the test above)."""
-    (single,) = train(tmp_path / "one", devices=1, steps=6)
-    rank0, rank1 = run_fsdp2(tmp_path / "fsdp2", "--max-steps", "6", "--first-layer-on-muon")
+    (rank0, rank1), single = fsdp2_and_one_process
     assert rank0["world"] == 2
     for name, p in single["params"].items():
         assert torch.equal(rank0["params"][name], rank1["params"][name]), name
@@ -494,9 +502,8 @@ def test_fsdp2_two_ranks_equal_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fsdp2_accumulation_reduces_gradients_only_on_the_last_micro_batch(tmp_path):
-    (single,) = train(tmp_path / "one", devices=1, steps=4)
-    plain = run_fsdp2(tmp_path / "plain", "--max-steps", "4", "--batch-size", "4", "--first-layer-on-muon")
+def test_fsdp2_accumulation_reduces_gradients_only_on_the_last_micro_batch(tmp_path, fsdp2_and_one_process):
+    plain, single = fsdp2_and_one_process  # batch 4 a rank, no accumulation
     accumulated = run_fsdp2(tmp_path / "accumulated", "--max-steps", "4", "--batch-size", "2", "--accumulate", "2",
                             "--first-layer-on-muon")
     # Twice the backward passes, the same number of reduce-scatters: none on the first micro-batch.
