@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 
 import pytest
@@ -19,3 +20,9 @@ def _fresh_master_port(monkeypatch):
         port = s.getsockname()[1]
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+
+
+def pytest_configure(config):
+    """The fork server the tests start their own ranks from (`helpers.RANKS_START_METHOD`) imports these once;
+    each rank forked from it starts without importing them again."""
+    multiprocessing.set_forkserver_preload(["torch", "lightning", "lightning_muon", "helpers", "fsdp2_run", "tp_run"])

@@ -1,10 +1,10 @@
-"""Run by tests/test_distributed.py in a subprocess: Lightning's ModelParallelStrategy re-launches this
-script for rank 1. Trains the test network fully sharded (FSDP2) on 2 CPU processes and saves every
-rank's gathered parameters to ``out``, and how many gradient reduce-scatters FSDP2 ran; optionally
-accumulates gradients, resumes from, or saves, a distributed checkpoint.
+"""Run by tests/test_distributed.py on 2 ranks (`helpers.run_ranks`), or as a script (``python tests/fsdp2_run.py
+OUT``: Lightning's ModelParallelStrategy re-launches it for rank 1). Trains the test network fully sharded (FSDP2)
+on 2 CPU processes and saves every rank's gathered parameters to ``out``, and how many gradient reduce-scatters
+FSDP2 ran; optionally accumulates gradients, resumes from, or saves, a distributed checkpoint.
 
-``helpers`` imports without a ``sys.path`` edit: running a script (``python tests/fsdp2_run.py``, and Lightning's
-re-launch of it for rank 1) puts the script's own directory first on ``sys.path``."""
+``helpers`` imports without a ``sys.path`` edit: running a script puts its own directory first on ``sys.path``,
+and the tests' directory is on it under pytest."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def count_reduce_scatters() -> list[int]:
     return calls
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    """Train as the arguments say (the command line's without ``argv``); see the module's docstring."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--max-steps", type=int, default=-1)
@@ -53,7 +54,7 @@ if __name__ == "__main__":
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--first-layer-on-muon", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     syncs = count_reduce_scatters()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
@@ -82,3 +83,7 @@ if __name__ == "__main__":
     )
     trainer.fit(model, ckpt_path=args.ckpt)
     torch.save(syncs[0], args.out / f"syncs{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,8 @@ import csv
 import functools
 import multiprocessing
 import os
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -212,10 +215,54 @@ class Recorder(L.Callback):
 
 # ------------------------------------------------------------------ the distributed tests
 
-#: How the tests start their ranks. Spawned, not forked: a rank forked from a test process whose torch has run
-#: OpenMP threads can hang in its first parallel op (seen: a forked rank stuck in Linear.forward), although fork
-#: would save each rank re-importing torch and Lightning (about 4 s of CPU).
-START_METHOD = "spawn"
+#: How the tests start their ranks (``torch.multiprocessing.start_processes``, and Lightning's DDP through
+#: `ForkedDDP`): forked from a fork server that imported torch, Lightning and this library once (tests/conftest.py)
+#: and never ran an op. Not forked from the test process: a rank forked from one whose torch has run OpenMP threads
+#: can hang in its first parallel op (seen: a forked rank stuck in Linear.forward). Not spawned: a spawned rank
+#: re-imports all of it, about 10 s here, where a forked one starts in well under a second.
+RANKS_START_METHOD = "forkserver"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (a port just closed may still be taken: each run takes its own)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(main: Callable[[list[str]], Any], argv: list[str], world: int) -> None:
+    """``main(argv)`` on ``world`` ranks forked from the tests' fork server (`RANKS_START_METHOD`), each told its
+    rank in the environment Lightning reads when the processes are launched for it (as ``torchrun`` or a cluster
+    launches them), so its strategy launches none itself; one torch thread a rank, as Lightning's launcher sets
+    on 2 cores. ``main`` must be a module-level function (it travels by name). A rank's exception is raised here
+    (``ProcessRaisedException``, with the rank's traceback)."""
+    torch.multiprocessing.start_processes(
+        _rank_main, args=(main, argv, world, free_port()), nprocs=world, join=True, start_method=RANKS_START_METHOD
+    )
+
+
+def _rank_main(rank: int, main: Callable[[list[str]], Any], argv: list[str], world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0",
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    main(argv)
+
+
+class ForkedDDP(DDPStrategy):
+    """Lightning's DDP over gloo, its ranks started from the tests' fork server (`RANKS_START_METHOD`).
+
+    Lightning hands such a rank the model's CPU tensors in shared memory (it copies them only for spawned
+    ranks), so every rank would step one storage: each rank copies its parameters and buffers before DDP wraps
+    the model, as a spawned rank's are copies."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(start_method=RANKS_START_METHOD, process_group_backend="gloo", **kwargs)
+
+    def setup(self, trainer: L.Trainer) -> None:
+        assert self.model is not None
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            tensor.data = tensor.data.clone()
+        super().setup(trainer)
 
 
 def muon_factory(split_ns: bool = True) -> functools.partial:

@@ -11,19 +11,16 @@ import logging
 import math
 import os
 import re
-import socket
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
 
+import fsdp2_run
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.multiprocessing.spawn import ProcessRaisedException
 
@@ -34,13 +31,15 @@ from lightning_muon.optim._dtensor import is_dtensor
 from lightning_muon.optim.newton_schulz import zeropower_via_newtonschulz
 
 from helpers import (
-    START_METHOD,
+    RANKS_START_METHOD,
     EndProcessGroup,
+    ForkedDDP,
     MuonNet,
     SaveEveryRank,
     epoch_checkpoints,
     make_trainer,
     muon_factory,
+    run_ranks,
 )
 
 #: 2 ranks x batch 4 and 1 process x batch 8 differ only in float32 summation order; fp32 Newton-Schulz
@@ -54,8 +53,7 @@ def train(tmp_path: Path, devices: int, split_ns: bool = True, unused_every: int
     # net.0 reads the batch (an input layer, AdamW's): its pattern keeps it on Muon for the work split's four shapes
     model = MuonNet(batch_size=8 // devices, unused_every=unused_every, muon=muon,
                     muon_params=["sometimes.weight", "net.0.weight"], adamw_params=["net.8.*"])
-    kwargs = {"strategy": DDPStrategy(start_method=START_METHOD, process_group_backend="gloo",
-                                      find_unused_parameters=True)} if devices > 1 else {}
+    kwargs = {"strategy": ForkedDDP(find_unused_parameters=True)} if devices > 1 else {}
     tmp_path.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=steps, logger=False, enable_checkpointing=False,
@@ -123,7 +121,8 @@ def _agreement_worker(rank: int, init_file: str, out: str) -> None:
 @pytest.mark.distributed
 def test_a_device_only_backend_agrees_on_a_gloo_group_of_cpu_tensors(tmp_path):
     mp.start_processes(
-        _agreement_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method=START_METHOD
+        _agreement_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
+        start_method=RANKS_START_METHOD,
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
@@ -263,7 +262,8 @@ def _where_worker(rank: int, init_file: str, out: str) -> None:
 @pytest.mark.distributed
 def test_an_explicit_process_group_or_device_mesh_is_where_the_work_runs(tmp_path):
     mp.start_processes(
-        _where_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method=START_METHOD
+        _where_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
+        start_method=RANKS_START_METHOD,
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     alone = "Newton-Schulz runs on this process alone"
@@ -412,7 +412,7 @@ def test_sharded_parameters_are_orthogonalised_whole(tmp_path, case):
     world, replicas = math.prod(shape), shape[0] if len(shape) == 2 else 1
     mp.start_processes(
         _sharded_worker, args=(str(tmp_path / "init"), case, str(tmp_path)), nprocs=world, join=True,
-        start_method=START_METHOD,
+        start_method=RANKS_START_METHOD,
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     owners = shard_dim in (0, 1, "mixed") and split_ns
@@ -463,17 +463,9 @@ def test_sharded_parameters_are_orthogonalised_whole(tmp_path, case):
 
 
 def run_fsdp2(out: Path, *args: str) -> list[dict]:
-    """Run tests/fsdp2_run.py (2 ranks, its own free port: a port just closed may still be taken)."""
+    """Run tests/fsdp2_run.py on 2 ranks."""
     out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = Path(__file__).parent / "fsdp2_run.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(out), *args],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(port)},
-    )
-    assert result.returncode == 0, f"{out.name}: {result.stderr[-3000:]}"
+    run_ranks(fsdp2_run.main, [str(out), *args], 2)
     return [{**torch.load(out / f"rank{r}.pt"), "syncs": torch.load(out / f"syncs{r}.pt")} for r in range(2)]
 
 
@@ -545,7 +537,7 @@ def test_accumulation_syncs_gradients_only_on_the_last_micro_batch(tmp_path):
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=4, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
-        strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo", find_unused_parameters=True),
+        strategy=ForkedDDP(find_unused_parameters=True),
         callbacks=[SaveEveryRank(out), CountGradientSyncs(out), EndProcessGroup()],
     )
     trainer.fit(model)
@@ -571,7 +563,7 @@ def test_ddp_resume_from_an_epoch_boundary_equals_the_uninterrupted_run(tmp_path
         trainer = L.Trainer(
             accelerator="cpu", devices=2, max_epochs=2, logger=False, enable_checkpointing=save is not None,
             enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
-            strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo", find_unused_parameters=True),
+            strategy=ForkedDDP(find_unused_parameters=True),
         )
         trainer.fit(model, ckpt_path=ckpt_path)
 
@@ -595,7 +587,7 @@ def test_none_loss_under_ddp_is_refused_rather_than_hanging(tmp_path):
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
-        strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo", find_unused_parameters=True),
+        strategy=ForkedDDP(find_unused_parameters=True),
     )
     # The spawn launcher re-raises the rank's MisconfigurationException, its traceback in the message.
     with pytest.raises(ProcessRaisedException, match=r"Return `loss \* 0` to skip a batch") as raised:
@@ -640,16 +632,9 @@ def test_a_one_process_checkpoint_under_fsdp2_is_refused_saying_why(tmp_path):
     trainer = make_trainer(tmp_path / "one", max_epochs=1)
     trainer.fit(one)
     trainer.save_checkpoint(tmp_path / "one.ckpt")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "fsdp2_run.py"), str(tmp_path / "fsdp2"), "--max-epochs", "2",
-         "--ckpt", str(tmp_path / "one.ckpt")],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(port)},
-    )
-    assert result.returncode != 0
-    assert "holds one process's (or DDP's) optimizer states, by position; ModelParallelStrategy" in result.stderr
+    refusal = "holds one process's \\(or DDP's\\) optimizer states, by position; ModelParallelStrategy"
+    with pytest.raises(ProcessRaisedException, match=refusal):
+        run_fsdp2(tmp_path / "fsdp2", "--max-epochs", "2", "--ckpt", str(tmp_path / "one.ckpt"))
 
 
 class HangingRank(MuonNet):
@@ -665,8 +650,7 @@ class HangingRank(MuonNet):
 @pytest.mark.slow
 def test_a_short_process_group_timeout_ends_a_hung_rank_fit(tmp_path):
     """The README's advice: the strategy's ``timeout`` bounds how long the other ranks wait (default 30 min)."""
-    strategy = DDPStrategy(start_method=START_METHOD, process_group_backend="gloo", find_unused_parameters=True,
-                           timeout=datetime.timedelta(seconds=5))
+    strategy = ForkedDDP(find_unused_parameters=True, timeout=datetime.timedelta(seconds=5))
     # gloo words the same timeout two ways, depending on where the waiting rank stands when it fires. No
     # wall-clock bound: that was a timing assertion, and it failed on a loaded machine where start-up is slow.
     timed_out = r"Timed out waiting 5000ms|Application timeout caused pair closure"

@@ -9,10 +9,6 @@ weights' column shards), half each; 2-D still gathers every whole matrix on ever
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,26 +17,18 @@ import tp_run
 
 from lightning_muon.commands.cli import main
 
-from helpers import read_metrics
+from helpers import read_metrics, run_ranks
 
 #: As the FSDP2 tests: a shard-wise Newton-Schulz would be hundreds of times off it.
 TOLERANCE = 1e-4
 
 
 def run(out: Path, devices: int, *args: str) -> list[dict]:
-    """Run tests/tp_run.py: one process in this one, several in a subprocess on a free port (a port just closed
-    may still be taken)."""
+    """Run tests/tp_run.py: one process in this one, several forked from the tests' fork server (`run_ranks`)."""
     if devices == 1:
         tp_run.main([str(out), "--devices", "1", *args])
         return [{**torch.load(out / "rank0.pt"), **torch.load(out / "roles0.pt")}]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "tp_run.py"), str(out), "--devices", str(devices), *args],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "MASTER_PORT": str(port)},
-    )
-    assert result.returncode == 0, f"{out.name}: {result.stderr[-3000:]}"
+    run_ranks(tp_run.main, [str(out), "--devices", str(devices), *args], devices)
     return [{**torch.load(out / f"rank{r}.pt"), **torch.load(out / f"roles{r}.pt")} for r in range(devices)]
 
 

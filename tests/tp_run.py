@@ -1,13 +1,14 @@
-"""Run by tests/test_tensor_parallel.py in a subprocess (Lightning's ModelParallelStrategy re-launches this script
-for the other ranks): the shipped example `lightning_muon.examples.parallel_gpt.ParallelGPT` (attention + SwiGLU
-blocks) at a tiny size under `MuonMixin`, tensor parallel with the plan of Lightning's tensor-parallel tutorial
-(the attention and feed-forward projections parallelised, the embedding, norms and head left plain tensors), and
-with ``--data-parallel 2`` FSDP2 over the other mesh dimension (Lightning's 2-D example), both by the example's own
-``configure_model``; with ``--devices 1`` the same model in one process. Saves every rank's
-gathered parameters, first-batch roles and groups to ``out``; optionally keeps every epoch's checkpoint or resumes
-from one.
+"""Run by tests/test_tensor_parallel.py on several ranks (`helpers.run_ranks`), or as a script (Lightning's
+ModelParallelStrategy re-launches it for the other ranks): the shipped example
+`lightning_muon.examples.parallel_gpt.ParallelGPT` (attention + SwiGLU blocks) at a tiny size under `MuonMixin`,
+tensor parallel with the plan of Lightning's tensor-parallel tutorial (the attention and feed-forward projections
+parallelised, the embedding, norms and head left plain tensors), and with ``--data-parallel 2`` FSDP2 over the other
+mesh dimension (Lightning's 2-D example), both by the example's own ``configure_model``; with ``--devices 1`` the
+same model in one process. Saves every rank's gathered parameters, first-batch roles and groups to ``out``;
+optionally keeps every epoch's checkpoint or resumes from one.
 
-``helpers`` imports without a ``sys.path`` edit: running a script puts its own directory first on ``sys.path``."""
+``helpers`` imports without a ``sys.path`` edit: running a script puts its own directory first on ``sys.path``,
+and the tests' directory is on it under pytest."""
 
 from __future__ import annotations
 

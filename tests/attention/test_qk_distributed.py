@@ -12,13 +12,12 @@ import qk_models
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_muon import MuonMixin, QKClip
 from lightning_muon.attention import QKClipper, qk_clip_
 
-from helpers import START_METHOD, EndProcessGroup, SaveEveryRank
+from helpers import RANKS_START_METHOD, EndProcessGroup, ForkedDDP, SaveEveryRank
 
 TAU = 0.5
 
@@ -50,7 +49,7 @@ def _rank(rank: int, world: int, port: str, out: str) -> None:
 @pytest.mark.distributed
 def test_ranks_agree_on_the_factors(tmp_path):
     mp.start_processes(
-        _rank, args=(2, os.environ["MASTER_PORT"], str(tmp_path)), nprocs=2, join=True, start_method=START_METHOD
+        _rank, args=(2, os.environ["MASTER_PORT"], str(tmp_path)), nprocs=2, join=True, start_method=RANKS_START_METHOD
     )
     states = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
@@ -96,7 +95,7 @@ def test_qk_clip_under_ddp_keeps_the_replicas_identical(tmp_path):
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=3, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
-        strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo"),
+        strategy=ForkedDDP(),
         callbacks=[QKClip(tau=1e-3), SaveEveryRank(tmp_path), EndProcessGroup()],
     )
     trainer.fit(_MuonOwnTinyLM())

@@ -20,9 +20,9 @@ from lightning_muon import Muon, MuonMonitor
 from lightning_muon.callbacks.monitor import lr_keys
 
 from helpers import (
-    START_METHOD,
     TWO_SHAPES,
     EndProcessGroup,
+    ForkedDDP,
     MuonRegression,
     PlainRegression,
     Regression,
@@ -291,7 +291,6 @@ def test_two_process_ddp_logs_the_same_error_as_one_process(tmp_path):
 
     fp32 Newton-Schulz keeps the two within float32 summation-order noise: tolerance 1e-4.
     """
-    from lightning.pytorch.strategies import DDPStrategy
 
     muon = functools.partial(Muon, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32)
     torch.manual_seed(0)
@@ -305,7 +304,7 @@ def test_two_process_ddp_logs_the_same_error_as_one_process(tmp_path):
         MuonRegression(**TWO_SHAPES, muon=muon, batch_size=4),
         MuonMonitor(log_every_n_steps=2),
         max_steps=4,
-        strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo"),
+        strategy=ForkedDDP(),
         devices=2,
         end_process_group=True,
     )

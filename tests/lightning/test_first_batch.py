@@ -11,15 +11,14 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_muon import MuonMixin, MuonMonitor, WarmupCosine
 
 from helpers import (
-    START_METHOD,
     EndProcessGroup,
+    ForkedDDP,
     make_trainer,
     muon_factory,
     raw_optimizers,
@@ -189,7 +188,7 @@ def test_ranks_whose_batches_show_different_routings_are_refused_on_every_rank(t
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[EndProcessGroup()],
-        strategy=DDPStrategy(start_method=START_METHOD, process_group_backend="gloo", find_unused_parameters=True),
+        strategy=ForkedDDP(find_unused_parameters=True),
     )
     with pytest.raises(ProcessRaisedException, match="showed different routings") as raised:
         trainer.fit(InputOnRankZero(muon=muon_factory()))

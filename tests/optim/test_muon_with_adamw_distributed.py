@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from lightning_muon import Muon, MuonWithAdamW, route_parameters
 
-from helpers import START_METHOD
+from helpers import RANKS_START_METHOD
 
 MUON_KW = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
 ADAMW_KW = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.05}
@@ -99,7 +99,7 @@ def _worker(rank: int, init_file: str, out: str) -> None:
 @pytest.mark.distributed
 def test_two_ranks_step_as_the_pair_under_ddp_and_fsdp2(tmp_path):
     mp.start_processes(
-        _worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method=START_METHOD
+        _worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True, start_method=RANKS_START_METHOD
     )
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     paths = {"ddp": "DDP", "fsdp2": "FSDP2 owner ranks"}
