@@ -260,6 +260,7 @@ TENSOR_PARALLEL = (
     ("TP(2), split_ns=True", 1, 2, True),
     ("TP(2), split_ns=False", 1, 2, False),
     ("dp=2 x tp=2 (FSDP2 over TP), split_ns=True", 2, 2, True),
+    ("dp=2 x tp=2 (FSDP2 over TP), split_ns=False", 2, 2, False),
 )
 #: `ParallelGPT` at GPT-2-small's size: 12 blocks of wq, wk, wv, wo (768 x 768), w1, w3 (3072 x 768), w2 (768 x 3072).
 TP_MODEL = {"n_layer": 12, "n_head": 12, "n_embd": 768, "hidden": 3072, "block_size": 32}
@@ -454,11 +455,12 @@ def tensor_parallel(console, argv: list[str] | None, write: bool) -> None:
         "owner and once back (2 x 2 bytes an element). Under TP(2) the colwise weights (`Shard(0)`) travel as row "
         "shards and the rowwise ones (`Shard(1)`) as column shards; each matrix is orthogonalised whole on one "
         "rank, owners balanced by FLOPs over the parameters.\n\n"
-        "2-D (dp=2 x tp=2, `fully_shard` over tensor parallel: placements `(_StridedShard(0), Shard(0))` and "
-        "`(Shard(0), Shard(1))` on the 2-D mesh) is not split yet: Muon falls back to every rank gathering "
-        "(`DTensor.full_tensor()`, fp32, not counted by Muon) and orthogonalising every whole matrix, so each of "
-        "the 4 ranks runs 1.00x one process's Newton-Schulz FLOPs; Muon says so once, as a warning, at the first "
-        "step. `split_ns=False` under TP(2) is the same repetition on purpose, the peer of the split row.\n"
+        "2-D (dp=2 x tp=2, `fully_shard` over tensor parallel: placements `(_StridedShard(0), Shard(0))` for the "
+        "colwise weights and `(Shard(0), Shard(1))` for the rowwise ones, on the 2-D mesh): the owner exchange runs "
+        "over all 4 ranks, each sending its block of each matrix (a quarter of its rows or columns, as DTensor "
+        "computes the shard) to the matrix's owner and getting its block of the result back. `split_ns=False` "
+        "is the repetition on purpose, the peer of each split row, and what 2-D fell back to before: every rank "
+        "gathers (`DTensor.full_tensor()`, fp32, not counted by Muon) and orthogonalises every whole matrix.\n"
     )
     path = _report.write("distributed_tp", "Distributed Newton-Schulz under tensor parallelism",
                          _report.command("distributed.py", argv), details, [table], notes)

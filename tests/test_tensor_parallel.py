@@ -5,7 +5,8 @@ non-finite check and the weight health check run over that mix (`lightning_muon.
 four in 2-D (FSDP2 over tensor parallel), train as one process does, with the same first-batch routing (they used
 to die in ``aten._foreach_norm``: "got mixed torch.Tensor and DTensor", or in 2-D on a mesh mismatch). Under TP(2)
 the Newton-Schulz work is split over the ranks (owner ranks gather the colwise weights' row shards and the rowwise
-weights' column shards), half each; 2-D still gathers every whole matrix on every rank (a fallback)."""
+weights' column shards), half each; in 2-D over all four (each rank's block of each matrix travels), a quarter
+each."""
 
 from __future__ import annotations
 
@@ -83,22 +84,28 @@ def assert_split(single: dict, ranks: list[dict]) -> None:
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_two_dimensional_data_and_tensor_parallel_trains_as_one_process(tmp_path):
-    """dp=2 x tp=2 on 4 ranks: the projections are DTensors on the 2-D mesh (FSDP2 over TP), the embedding,
-    norms and head DTensors on the data-parallel mesh alone; the norms and checks run over both meshes."""
+    """dp=2 x tp=2 on 4 ranks: the projections are DTensors on the 2-D mesh (FSDP2 over TP: colwise weights
+    ``(_StridedShard(0), Shard(0))``, rowwise ``(Shard(0), Shard(1))``), the embedding, norms and head DTensors
+    on the data-parallel mesh alone; the norms and checks run over both meshes, and the Newton-Schulz work is
+    split over the four ranks."""
     clip = ["--clip", "0.5"]
     (single,) = run(tmp_path / "one", 1, *clip)
     ranks = run(tmp_path / "2d", 4, "--data-parallel", "2", *clip)
     assert ranks[0]["world"] == 4
     assert_as_one_process(single, ranks, all_seen=False)
+    assert_split(single, ranks)
 
 
 @pytest.mark.distributed
 def test_muon_with_adamw_under_lightnings_own_loop_trains_as_one_process(tmp_path):
-    """The one-optimizer way in, built in ``configure_optimizers`` from the parallelised parameters."""
+    """The one-optimizer way in, built in ``configure_optimizers`` from the parallelised parameters: TP(2), and
+    dp=2 x tp=2 on 4 ranks, the Newton-Schulz work split as under the mixin."""
     (single,) = run(tmp_path / "one", 1, "--one-optimizer")
-    ranks = run(tmp_path / "tp", 2, "--one-optimizer")
     assert [name for name, _ in single["groups"][0]] == ["hidden", "embeddings", "head", "norms_and_biases"]
-    assert_as_one_process(single, ranks)
+    for ranks in (run(tmp_path / "tp", 2, "--one-optimizer"),
+                  run(tmp_path / "2d", 4, "--one-optimizer", "--data-parallel", "2")):
+        assert_as_one_process(single, ranks)
+        assert_split(single, ranks)
 
 
 @pytest.mark.slow

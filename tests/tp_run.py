@@ -69,8 +69,8 @@ class OneOptimizerTinyLM(TinyLM):
 class SaveRank(L.Callback):
     """Each rank writes its gathered parameters, the roles its first training batch showed and the groups its
     optimizers hold, and what its Muon's strategy counted in the last step: where the work ran, the
-    Newton-Schulz FLOPs this rank ran, the bytes it sent, and the elements of the Muon matrices (whole); ``None``
-    for the roles and the strategy without the mixin."""
+    Newton-Schulz FLOPs this rank ran, the bytes it sent, and the elements of the Muon matrices (whole) (`Muon`
+    or `MuonWithAdamW`'s); ``None`` for the roles without the mixin."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -83,7 +83,8 @@ class SaveRank(L.Callback):
         roles = strategy = None
         if isinstance(pl_module, MuonMixin):
             roles = pl_module.muon_roles.to_dict()
-            (muon,) = [o for o in trainer.optimizers if isinstance(o, Muon)]
+        muons = [o.muon if isinstance(o, MuonWithAdamW) else o for o in trainer.optimizers]
+        for muon in [m for m in muons if isinstance(m, Muon)]:
             chosen = muon._choice.chosen  # private: the per-step counters are no public API
             strategy = {
                 "kind": muon.strategy.kind, "fallback": muon.strategy.fallback, "ranks": muon.strategy.ranks,

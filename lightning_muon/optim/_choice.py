@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_muon.optim._collectives import World, replicated_world, sharded_world
-from lightning_muon.optim._dtensor import ROWS, is_dtensor, matrix_split
+from lightning_muon.optim._dtensor import is_dtensor, matrix_parts
 from lightning_muon.optim._strategies import (
     EXCHANGE_ROUND_BYTES,
     DistributedStep,
@@ -46,8 +46,8 @@ class StrategyInfo:
 
     #: The path in one word: ``"local"`` (this process does all the work: a single process, ``split_ns=False``,
     #: or a fallback), ``"replicated"`` (DDP: the ranks split the matrices and all-gather the updates) or
-    #: ``"sharded"`` (FSDP2 / HSDP / tensor parallelism on a 1-D mesh: each matrix is orthogonalised whole on
-    #: one owner rank).
+    #: ``"sharded"`` (FSDP2 / HSDP / tensor parallelism / FSDP2 over tensor parallelism: each matrix is
+    #: orthogonalised whole on one owner rank).
     kind: Kind
     #: The path in words, as the rank-zero line at the first step says it (without its ``"Muon: "``).
     description: str
@@ -117,7 +117,7 @@ def _choose(
         stacked = "a parameter holds a stack of matrices (sharded on its stack dim)"
         sharded = stacked if stacks else sharded_world(params, device_mesh)
         if isinstance(sharded, World):
-            columns = any(matrix_split(p) != ROWS for p in params)
+            columns = any(matrix_parts(p) is not None for p in params)
             return ShardedStep(sharded, round_bytes=round_bytes, columns=columns)
         whole = f"every rank gathers and orthogonalises every whole matrix (not split: {sharded})"
         return LocalStep(whole, fallback=several, complete_state=True)
@@ -217,4 +217,4 @@ def _check_device_mesh(mesh: object) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh or None, got {mesh!r}")
     if mesh.ndim > 2:
-        raise ValueError(f"device_mesh must be 1-D (FSDP2) or 2-D (HSDP: replicate, then shard), got {mesh!r}")
+        raise ValueError(f"device_mesh must be 1-D (FSDP2) or 2-D (HSDP; FSDP2 over tensor parallelism), got {mesh!r}")

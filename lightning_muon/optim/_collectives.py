@@ -16,7 +16,7 @@ Under HSDP (a 2-D mesh: replicate, then shard) each replica does the same within
 its shard group. Under tensor parallelism (a 1-D mesh) rowwise weights are
 sharded on dim 1: a column-sharded matrix is a row-sharded one transposed, so
 the same exchange moves every rank's columns instead of its rows
-(`ExchangeLayout.splits`), and the owner assembles and orthogonalises the whole
+(`ExchangeLayout.cuts`), and the owner assembles and orthogonalises the whole
 matrix as stored, batched with the same-shape matrices of its job.
 """
 
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_muon.optim._dtensor import ROWS
+from lightning_muon.optim._dtensor import Part, matrix_parts, tiles
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -50,6 +50,8 @@ class World(NamedTuple):
     group: dist.ProcessGroup | None = None
     #: How many copies of this world repeat the same work (HSDP: the replicate dim of the mesh; else 1).
     replicas: int = 1
+    #: How many mesh dims the world spans (2: FSDP2 over tensor parallelism, every rank of a 2-D mesh).
+    mesh_dims: int = 1
 
 
 def replicated_world(group: dist.ProcessGroup | None = None) -> World | None:
@@ -61,17 +63,21 @@ def replicated_world(group: dist.ProcessGroup | None = None) -> World | None:
 
 
 def sharded_world(params: Sequence[Tensor], mesh: DeviceMesh | None = None) -> World | str:
-    """The world of the FSDP2 owner exchange, or why these parameters have none (a sentence).
+    """The world of the owner exchange, or why these parameters have none (a sentence).
 
-    Every parameter must be a DTensor over the same device mesh (``mesh``: the first parameter's unless given):
-    a 1-D mesh with each parameter sharded on dim 0 or dim 1 (FSDP2's ``(Shard(0),)``; tensor parallelism's
-    colwise ``(Shard(0),)`` and rowwise ``(Shard(1),)``, mixed), or a 2-D mesh that replicates on its first dim
-    and shards dim 0 on its second (HSDP, ``(Replicate(), Shard(0))``). The world is the shard dim's ranks and
-    process group; under HSDP each replica (`World.replicas`) repeats the same exchange and work on its own
-    identical shards. Other 2-D layouts (FSDP2 over tensor parallelism: ``(Shard(0), Shard(1))``,
-    ``(_StridedShard(0), Shard(0))``) have none.
+    Every parameter must be a DTensor over the same device mesh (``mesh``: the first parameter's unless given),
+    sharded on dim 0 or dim 1 on each dim of the mesh that shards:
+
+    - a 1-D mesh (FSDP2's ``(Shard(0),)``; tensor parallelism's colwise ``(Shard(0),)`` and rowwise
+      ``(Shard(1),)``, mixed): the world is the mesh's ranks;
+    - a 2-D mesh that replicates on its first dim and shards dim 0 on its second (HSDP, ``(Replicate(),
+      Shard(0))``): the world is the shard dim's ranks, and each replica (`World.replicas`) repeats the same
+      exchange and work on its own identical shards;
+    - a 2-D mesh that shards on both dims (FSDP2 over tensor parallelism: ``(_StridedShard(0), Shard(0))``,
+      ``(Shard(0), Shard(1))``), spanning the job's ranks in order: the world is every rank of the mesh, each
+      holding a block of each matrix (`lightning_muon.optim._dtensor.matrix_parts`).
     """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
     dtensors = [p for p in params if isinstance(p, DTensor)]
     if len(dtensors) != len(params):
@@ -80,20 +86,42 @@ def sharded_world(params: Sequence[Tensor], mesh: DeviceMesh | None = None) -> W
     if any(p.device_mesh != mesh for p in dtensors):
         return "the Muon parameters live on different device meshes"
     placements = {tuple(p.placements) for p in dtensors}
-    expected = {(Shard(0),), (Shard(1),)} if mesh.ndim == 1 else {(Replicate(), Shard(0))}
-    if mesh.ndim > 2 or not placements <= expected:
+    if mesh.ndim > 2 or not all(_known(ps, mesh.ndim) for ps in placements):
         shown = ", ".join(sorted("(" + ", ".join(map(repr, ps)) + ")" for ps in placements))
         return (
-            f"placements {shown} on a {mesh.ndim}-D mesh are neither FSDP2's or tensor parallelism's "
-            "(Shard(dim=0), Shard(dim=1)) nor HSDP's (Replicate(), Shard(dim=0))"
+            f"placements {shown} on a {mesh.ndim}-D mesh are none of FSDP2's or tensor parallelism's (Shard(dim=0), "
+            "Shard(dim=1)), HSDP's (Replicate(), Shard(dim=0)) or FSDP2 over tensor parallelism's (a shard of dim "
+            "0 or 1 on each mesh dim)"
         )
+    if any(not tiles(p, parts) for p in dtensors if (parts := matrix_parts(p)) is not None):
+        return "the ranks' shards of a matrix do not cover it exactly once"
+    hsdp = mesh.ndim == 2 and all(isinstance(ps[0], Replicate) for ps in placements)
+    if mesh.ndim == 2 and not hsdp:
+        if mesh.mesh.flatten().tolist() != list(range(dist.get_world_size())):
+            return "the 2-D mesh does not span the job's ranks in order"
+        return World(dist.get_rank(), mesh.size(), None, 1, 2)
     dim = mesh.ndim - 1
     if mesh.size(dim) < 2:
         return f"the mesh shards over {mesh.size(dim)} rank"
     group = mesh.get_group(dim)
     if dist.get_rank(group) != mesh.get_local_rank(dim):  # shards follow mesh order, collectives group order
         return "the mesh orders its ranks unlike its process group"
-    return World(mesh.get_local_rank(dim), mesh.size(dim), group, mesh.size(0) if mesh.ndim == 2 else 1)
+    return World(mesh.get_local_rank(dim), mesh.size(dim), group, mesh.size(0) if hsdp else 1)
+
+
+def _known(placements: tuple, ndim: int) -> bool:
+    """Whether ``placements`` on a mesh of ``ndim`` dims are a layout the owner exchange knows (`sharded_world`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def shards(placement: object) -> bool:  # a shard of the matrix's rows or columns
+        return isinstance(placement, (Shard, _StridedShard)) and placement.dim in (0, 1)
+
+    if ndim == 1:
+        return shards(placements[0])
+    if isinstance(placements[0], Replicate):
+        return type(placements[1]) is Shard and placements[1].dim == 0
+    return all(shards(p) for p in placements)
 
 
 def any_rank(flags: list[bool], device: torch.device, group: dist.ProcessGroup | None = None) -> list[bool]:
@@ -158,17 +186,17 @@ class ExchangeLayout(NamedTuple):
     shape: tuple[int, int]
     #: The dtype the blocks travel (and are orthogonalised) in.
     dtype: torch.dtype
-    #: How the ranks' shards cut each block (`lightning_muon.optim._dtensor.matrix_split`), one ``(dim, unit)``
-    #: per block; empty: every block in row shards (FSDP2's layout; and replicated blocks, which are not cut).
-    splits: tuple[tuple[int, int], ...] = ()
-
-    def split(self, block: int) -> tuple[int, int]:
-        """``(dim, unit)`` of one block: along its rows (``dim`` 0) or columns (1), in multiples of ``unit``."""
-        return self.splits[block] if self.splits else ROWS
+    #: How the ranks' shards cut each block: per block, each rank's part (`lightning_muon.optim._dtensor.
+    #: matrix_parts`), or ``None`` for row shards (`row_parts`); empty: every block in row shards (FSDP2's
+    #: layout; and replicated blocks, which are not cut).
+    cuts: tuple[tuple[Part, ...] | None, ...] = ()
 
     def parts(self, block: int, world_size: int) -> list[tuple[slice, slice]]:
-        """The part of a whole block each rank holds, by rank (`split_parts`)."""
-        return split_parts(self.shape, self.split(block), world_size)
+        """The part of a whole block each rank holds, by rank: its cut's, or `row_parts`."""
+        cut = self.cuts[block] if self.cuts else None
+        if cut is None:
+            return row_parts(self.shape, world_size)
+        return [(slice(r, r + m), slice(c, c + n)) for r, m, c, n in cut]
 
     def part_shape(self, part: tuple[slice, slice]) -> tuple[int, int]:
         """The ``(rows, cols)`` of one part of a block (`parts`)."""
@@ -280,15 +308,12 @@ def shard_rows(rows: int, world_size: int) -> list[int]:
     return [max(0, min(chunk, rows - rank * chunk)) for rank in range(world_size)]
 
 
-def split_parts(shape: tuple[int, int], split: tuple[int, int], world_size: int) -> list[tuple[slice, slice]]:
-    """The part of a whole ``shape`` matrix each rank holds, by rank, its shards cut as ``split`` says (``(dim,
-    unit)``, `lightning_muon.optim._dtensor.matrix_split`): its rows or its columns, `shard_rows`' split of the
-    sharded dim in multiples of ``unit`` (as DTensor's ``Shard`` of the parameter's dim 0 or 1)."""
-    dim, unit = split
-    extents = [count * unit for count in shard_rows(shape[dim] // unit, world_size)]
+def row_parts(shape: tuple[int, int], world_size: int) -> list[tuple[slice, slice]]:
+    """The rows of a whole ``shape`` matrix each rank holds, by rank: `shard_rows`' split (DTensor's
+    ``Shard(0)``)."""
+    extents = shard_rows(shape[0], world_size)
     starts = [sum(extents[:rank]) for rank in range(world_size)]
-    cut = [slice(start, start + extent) for start, extent in zip(starts, extents, strict=True)]
-    return [(part, slice(None)) if dim == 0 else (slice(None), part) for part in cut]
+    return [(slice(start, start + extent), slice(None)) for start, extent in zip(starts, extents, strict=True)]
 
 
 def _all_to_all(
@@ -335,7 +360,7 @@ def gather_to_owners(
 
     Args:
         shards: per job, this rank's part of each of its matrices: its rows, or its columns (the layout's
-            `ExchangeLayout.splits`), any float dtype, any shape of that many elements.
+            `ExchangeLayout.cuts`), any float dtype, any shape of that many elements.
         owners: the rank of every job (from `lightning_muon.optim._plan.assign_owners`), the same on every rank.
         layouts: per job, how many matrices, their whole shape, how they are cut, and the dtype they travel
             (and are orthogonalised) in.

@@ -1,16 +1,18 @@
 """What the maths, the plan and the exchanges need to know of sharding: whether a tensor is a DTensor, and which
-part of its matrix each rank's shard holds (`matrix_split`)."""
+part of its matrix each rank's shard holds (`matrix_parts`)."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
+from typing import Any
 
 from torch import Tensor
 
-#: How the shards of one matrix (``shape[0] x prod(shape[1:])``) cut it (`matrix_split`): ``(dim, unit)``, along
-#: its rows (``dim`` 0) or columns (1), each rank's rows or columns a multiple of ``unit``. Row shards, ``(0, 1)``,
-#: for FSDP2's ``Shard(0)`` and for a tensor that is not sharded at all.
-ROWS = (0, 1)
+#: One rank's part of a sharded matrix (``shape[0] x prod(shape[1:])``): ``(first row, rows, first column,
+#: columns)``.
+Part = tuple[int, int, int, int]
 
 
 def is_dtensor(tensor: Tensor) -> bool:
@@ -22,14 +24,62 @@ def is_dtensor(tensor: Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def matrix_split(tensor: Tensor) -> tuple[int, int]:
-    """How the shards of ``tensor`` on its mesh's last dim cut its matrix ``shape[0] x prod(shape[1:])``:
-    `ROWS` for ``Shard(0)`` (FSDP2, tensor parallelism's colwise weights) and for any tensor that is not
-    sharded on dim 1; ``(1, prod(shape[2:]))`` for ``Shard(1)`` (tensor parallelism's rowwise weights): a
-    column-sharded matrix is a row-sharded one transposed, each rank's columns whole slices of dim 1."""
+def world_placements(tensor: Tensor) -> tuple[tuple[int, ...], tuple[Any, ...]]:
+    """The mesh shape and placements of the ranks that share a DTensor's Newton-Schulz work: its whole mesh,
+    except HSDP's replicate dim (each replica does the same work on its own copy)."""
+    from torch.distributed.tensor import Replicate
+
+    shape, placements = tuple(tensor.device_mesh.shape), tuple(tensor.placements)  # type: ignore[attr-defined]
+    if len(placements) == 2 and isinstance(placements[0], Replicate):
+        return shape[1:], placements[1:]
+    return shape, placements
+
+
+def matrix_parts(tensor: Tensor) -> tuple[Part, ...] | None:
+    """Each rank's part of ``tensor``'s matrix ``shape[0] x prod(shape[1:])``, by rank of the world that shares
+    its work (the mesh flattened in row-major order, without HSDP's replicate dim: `world_placements`), or
+    ``None`` where the shards are plain row shards (FSDP2's and HSDP's ``Shard(0)`` on one mesh dim, tensor
+    parallelism's colwise weights) or ``tensor`` is no DTensor.
+
+    Shards of dim 1 (tensor parallelism's rowwise weights) cut the matrix's columns, each rank's a whole slice
+    of dim 1 (a column-sharded matrix is a row-sharded one transposed); 2-D placements (FSDP2 over tensor
+    parallelism: ``(_StridedShard(0), Shard(0))``, ``(Shard(0), Shard(1))``) cut both, as DTensor itself
+    computes each rank's shard.
+    """
+    from torch.distributed.tensor import Shard
+
     if not is_dtensor(tensor):
-        return ROWS
-    placement = tensor.placements[-1]  # type: ignore[attr-defined]
-    if placement.is_shard(1):
-        return 1, math.prod(tensor.shape[2:])
-    return ROWS
+        return None
+    mesh_shape, placements = world_placements(tensor)
+    if len(placements) == 1 and type(placements[0]) is Shard and placements[0].dim == 0:
+        return None
+    return _parts(tuple(tensor.shape), mesh_shape, placements)
+
+
+@functools.lru_cache(maxsize=256)
+def _parts(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple[Any, ...]) -> tuple[Part, ...]:
+    # DTensor's own arithmetic of a shard's size and offset at any mesh coordinate (uneven shards, and
+    # _StridedShard's right-to-left order included); private, so checked by `tiles` where it is used.
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    unit = math.prod(shape[2:])
+    parts = []
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+        if len(shape) == 1:
+            parts.append((offset[0], local[0], 0, 1))
+        else:
+            parts.append((offset[0], local[0], offset[1] * unit, local[1] * unit))
+    return tuple(parts)
+
+
+def tiles(tensor: Tensor, parts: tuple[Part, ...]) -> bool:
+    """Whether ``parts`` cover ``tensor``'s matrix exactly once: every element on exactly one rank."""
+    rows = tensor.shape[0]
+    cols = math.prod(tensor.shape[1:])
+    if sum(m * n for _, m, _, n in parts) != rows * cols:
+        return False
+    for (r0, m0, c0, n0), (r1, m1, c1, n1) in itertools.combinations(parts, 2):
+        if m0 and n0 and m1 and n1 and r0 < r1 + m1 and r1 < r0 + m0 and c0 < c1 + n1 and c1 < c0 + n0:
+            return False
+    return all(0 <= r and r + m <= rows and 0 <= c and c + n <= cols for r, m, c, n in parts)

@@ -24,8 +24,7 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
-from lightning_muon.optim._collectives import ExchangeLayout, split_parts
-from lightning_muon.optim._dtensor import ROWS
+from lightning_muon.optim._collectives import ExchangeLayout
 from lightning_muon.optim._update import Bucket
 
 T = TypeVar("T")
@@ -134,14 +133,14 @@ def balance(buckets: Sequence[Bucket], jobs: Sequence[Job], world_size: int) -> 
 def param_exchange_bytes(bucket: Bucket, world_size: int) -> tuple[int, int]:
     """What one parameter of the bucket weighs in an FSDP2 exchange buffer: ``(whole, rows)``, the bytes its
     owner receives (every rank's shard, each 8-byte aligned; as much again for the stack and the results it
-    sends back), and the most bytes any rank sends of it (the first rank's part, the largest). Where the bucket
-    mixes row and column shards (tensor parallelism), the larger of each over its parameters."""
+    sends back), and the most bytes any rank sends of it (its largest part). Where the bucket's parameters are
+    cut in different ways (tensor parallelism's row and column shards), the larger of each over its parameters."""
     layout = bucket.exchange_layout
     whole, rows = 0, 0
-    for split in set(layout.splits) or {ROWS}:
-        shapes = [layout.part_shape(part) for part in split_parts(layout.shape, split, world_size)]
-        whole = max(whole, sum(ExchangeLayout(1, shape, layout.dtype).nbytes for shape in shapes))
-        rows = max(rows, ExchangeLayout(1, shapes[0], layout.dtype).nbytes)
+    for block in {cut: block for block, cut in enumerate(layout.cuts or [None])}.values():
+        sizes = [ExchangeLayout(1, layout.part_shape(part), layout.dtype).nbytes
+                 for part in layout.parts(block, world_size)]
+        whole, rows = max(whole, sum(sizes)), max(rows, *sizes)
     return whole, rows
 
 

@@ -5,7 +5,7 @@ process group (the default one, or an explicit ``process_group`` / ``device_mesh
 and says which:
 
 - `LocalStep`: one process, or every rank doing all the work (``split_ns=False``,
-  and DTensor layouts other than FSDP2's and HSDP's, whose matrices are gathered
+  and DTensor layouts the owner exchange does not know, whose matrices are gathered
   whole: a fallback, said in a rank-zero warning);
 - `ReplicatedStep` (DDP): each rank orthogonalises a FLOP-balanced share of the
   matrices, the results are all-gathered, every rank applies every update;
@@ -14,7 +14,8 @@ and says which:
   a 2-D mesh, within each replica's shard group): each matrix's row (or column)
   shards go to an owner rank, which orthogonalises the whole matrices and sends
   every rank back its rows (or columns). FSDP2 over tensor parallelism (2-D
-  placements with two shards) falls back to `LocalStep`.
+  placements that shard on both mesh dims) the same way over every rank of the
+  mesh, each holding a block of each matrix.
 
 The two distributed ones are `DistributedStep`s: they hold their `World` (which ranks share the work) from
 construction on. Owners are assigned per parameter, each bucket cut into one job per owner
@@ -217,7 +218,8 @@ class ShardedStep(DistributedStep):
     Tensor parallelism on a 1-D mesh the same way: a rowwise weight (``Shard(1)``) is a row-sharded matrix
     transposed, its columns travel instead of its rows (``columns``: some do, said in the description), and
     the owner orthogonalises the whole matrix as stored, batched with its job's other same-shape matrices
-    whichever way they are cut.
+    whichever way they are cut. FSDP2 over tensor parallelism (a 2-D `World`) too: each rank's block of a
+    matrix (rows of its columns, or columns of its rows) travels to the owner, and comes back.
 
     The exchanges run in rounds (`lightning_muon.optim._plan.exchange_rounds`, every owner busy in each):
     every exchange buffer holds at most ``max(round_bytes, P)`` bytes per rank, ``P`` about one parameter's
@@ -233,15 +235,17 @@ class ShardedStep(DistributedStep):
     whole_dtensors = False
 
     def __init__(self, world: World, *, round_bytes: int = EXCHANGE_ROUND_BYTES, columns: bool = False) -> None:
-        where = f"{world.size} ranks"
-        if world.replicas > 1:
+        where, what = f"{world.size} ranks", "tensor-parallel" if columns else "FSDP2"
+        if world.mesh_dims == 2:
+            where, what = f"the {world.size} ranks of the 2-D mesh", "FSDP2 x tensor-parallel"
+        elif world.replicas > 1:
             where = f"the {world.size} ranks of the mesh's shard dim, repeated by each of its {world.replicas} replicas"
         # HSDP: the replicas agree too (their flags are the same), so over the whole job where the mesh spans it.
         spans = world.replicas > 1 and world.size * world.replicas == dist.get_world_size()
         super().__init__(
             world,
             make_agreement(None if spans else world.group),
-            f"Newton-Schulz on {'tensor-parallel' if columns else 'FSDP2'} owner ranks: {where} (each matrix's "
+            f"Newton-Schulz on {what} owner ranks: {where} (each matrix's "
             f"shards go to one owner and its {'rows or columns come' if columns else 'rows come'} back, in rounds "
             f"of at most {round_bytes / 2**20:g} MiB per exchange buffer)",
             complete_state=True,

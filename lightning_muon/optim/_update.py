@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_muon.optim._collectives import ExchangeLayout
-from lightning_muon.optim._dtensor import ROWS, is_dtensor, matrix_split
+from lightning_muon.optim._dtensor import is_dtensor, matrix_parts
 from lightning_muon.optim.groups import (
     batch_cap,
     describe_param,
@@ -96,12 +96,11 @@ class Bucket(NamedTuple):
     def exchange_layout(self) -> ExchangeLayout:
         """What a distributed exchange needs to know of the bucket: one 2D block per parameter (its matrices one
         under the other), in the group's Newton-Schulz dtype, and how the ranks' shards cut each block where
-        some are column shards (tensor parallelism's rowwise weights: `matrix_split`)."""
+        some are not plain row shards (tensor parallelism, 2-D: `matrix_parts`)."""
         m, n = self.shape
-        splits = tuple(matrix_split(p) for p in self.params)
-        rows_only = all(split == ROWS for split in splits)
+        cuts = tuple(matrix_parts(p) for p in self.params)
         layout = ExchangeLayout(len(self.params), (m * self.per_param, n), ns_dtype(self.group))
-        return layout if rows_only else layout._replace(splits=splits)
+        return layout if all(cut is None for cut in cuts) else layout._replace(cuts=cuts)
 
     def local(self) -> Bucket:
         """The bucket on this rank's shards (views: in-place updates reach the DTensors)."""

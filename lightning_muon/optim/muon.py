@@ -168,14 +168,16 @@ class Muon(Optimizer):
             every momentum buffer. Under FSDP2 (DTensor parameters sharded on dim 0 over one mesh) each
             matrix's shards are sent to an owner rank, which orthogonalises the whole matrix and sends
             every rank back its rows; momentum stays sharded (HSDP: within each replica's shard group;
-            tensor parallelism on a 1-D mesh: dim-0 and dim-1 shards, rows or columns travel).
+            tensor parallelism on a 1-D mesh: dim-0 and dim-1 shards, rows or columns travel; FSDP2 over
+            tensor parallelism on a 2-D mesh: over all of its ranks, each rank's block travels).
             ``False``: every rank does all the work, as ``torch.optim.Muon`` (under FSDP2 every rank
             gathers and orthogonalises every whole matrix). Newton-Schulz never runs on a shard.
         process_group: the ranks that split the work of replicated (DDP) parameters (default: the default
             group). Without it (or ``device_mesh``) the path follows the default group: a step taken before
             ``init_process_group`` runs alone, and the first step after it chooses the split again.
-        device_mesh: the mesh every DTensor parameter must live on, for FSDP2's owner ranks (1-D mesh) or
-            HSDP's (2-D: replicate, then shard); default: the mesh the parameters share.
+        device_mesh: the mesh every DTensor parameter must live on, for FSDP2's owner ranks (1-D mesh),
+            HSDP's (2-D: replicate, then shard) or FSDP2 over tensor parallelism's (2-D, sharded on both);
+            default: the mesh the parameters share.
         exchange_round_bytes: most bytes of one FSDP2 exchange buffer per rank (default 64 MiB).
     """
 

@@ -111,7 +111,7 @@ SHORT_PARALLEL_JOB = ["--trainer.max_steps", "2", "--trainer.val_check_interval"
 @pytest.mark.parametrize("config", [SHIPPED / name for name in TENSOR_PARALLEL], ids=lambda p: p.name)
 def test_tensor_parallel_config_ends_with_its_result_line(config, tmp_path):
     """Through the real command from an empty directory, with its logger and checkpoint: every rank starts, Muon
-    says its path once (TP(2): the owner exchange; 2-D: the whole-matrix fallback, a warning), the fit ends with
+    says its path once (the owner exchange: TP(2) over 2 ranks, 2-D over the 4 of its mesh), the fit ends with
     the example's result line, and the metrics file holds the losses and `MuonMonitor`'s keys."""
     ranks = TENSOR_PARALLEL[config.name]
     result = subprocess.run(
@@ -123,7 +123,7 @@ def test_tensor_parallel_config_ends_with_its_result_line(config, tmp_path):
     assert result.returncode == 0 or aborted_at_exit_after_fit(result), result.stderr[-3000:]
     assert f"GLOBAL_RANK: {ranks - 1}, MEMBER: {ranks}/{ranks}" in output
     path = {"gpt_muon_tp.yaml": "Muon: Newton-Schulz on tensor-parallel owner ranks: 2 ranks",
-            "gpt_muon_2d.yaml": "Muon: every rank gathers and orthogonalises every whole matrix (not split"}
+            "gpt_muon_2d.yaml": "Muon: Newton-Schulz on FSDP2 x tensor-parallel owner ranks: the 4 ranks of the 2-D"}
     assert sum(path[config.name] in line for line in output.splitlines()) == 1, output[-3000:]
     logs = Path("lightning_logs") / config.stem / "version_0"
     line = (rf"CharParallelGPT: val_loss \d+\.\d{{4}}, val_bpb \d+\.\d{{4}} after 2 steps; "
