@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.nn import functional as F
 
 from lightning_muon import MuonMixin
+from lightning_muon.attention import QKLayout, QKProjection, record_qk
 from lightning_muon.examples.char_gpt import ByteLM
 from lightning_muon.examples.text_data import StdlibTextDataModule
 
@@ -55,11 +56,13 @@ class Block(nn.Module):
 
     The heads are read from the projections' output width (``head_dim`` each), so under tensor parallelism a
     rank computes the ``n_head / tp`` heads of its shard of ``wq``, ``wk``, ``wv`` with nothing to change.
+    `lightning_muon.QKClip` finds its attention through ``qk_layout`` and the q and k its forward hands to
+    `lightning_muon.attention.record_qk` (the adapter), under tensor parallelism too.
     """
 
     def __init__(self, n_embd: int, n_head: int, hidden: int) -> None:
         super().__init__()
-        self.head_dim = n_embd // n_head
+        self.n_head, self.head_dim = n_head, n_embd // n_head
         self.norm1, self.norm2 = nn.RMSNorm(n_embd), nn.RMSNorm(n_embd)
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(n_embd, n_embd, bias=False) for _ in range(4))
         self.w1, self.w3 = nn.Linear(n_embd, hidden, bias=False), nn.Linear(n_embd, hidden, bias=False)
@@ -69,10 +72,18 @@ class Block(nn.Module):
         batch, time, _ = x.shape
         h = self.norm1(x)
         q, k, v = (w(h).view(batch, time, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        record_qk(self, q, k, scale=self.head_dim**-0.5, causal=True)
         attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(batch, time, -1)
         x = x + self.wo(attention)
         h = self.norm2(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+    def qk_layout(self) -> QKLayout:
+        """Where the query and key heads are, for `lightning_muon.QKClip` (all ``n_head`` of them: under tensor
+        parallelism each rank holds and computes a block of them)."""
+        query, key = QKProjection(self.wq.weight), QKProjection(self.wk.weight)
+        return QKLayout(query, key, num_heads=self.n_head, num_kv_heads=self.n_head, head_dim=self.head_dim)
 
 
 class ParallelGPT(ByteLM):

@@ -66,6 +66,32 @@ def test_the_tutorial_plan_with_clipping_trains_as_one_process(tmp_path):
         assert [float(a[k]) for k in keys] == pytest.approx([float(b[k]) for k in keys], rel=1e-5)
 
 
+@pytest.mark.distributed
+def test_qk_clip_measures_and_clips_the_sharded_heads_as_one_process(tmp_path):
+    """QK-Clip on the example's attention (its ``qk_layout`` adapter): under TP(2) each rank measures the heads of
+    its shard of ``wq``, and in 2-D its block of them on its half of the batch; the all-reduced maxima, the heads
+    clipped and the weights (each rank scaling its own shard's rows) are one process's."""
+    clip = ["--qk-clip", "0.055", "--monitor"]  # the tiny model's logits are 0.05-0.08: most updates clip
+    (single,) = run(tmp_path / "one", 1, *clip)
+    one = attention_rows(tmp_path / "one")
+    keys = list(one[0])
+    assert "attention/max_logit/blocks.1" in keys and len(one) == 4
+    assert sum(float(row["attention/clipped_heads"]) for row in one) >= 4
+    for name, devices, layout in (("tp", 2, []), ("2d", 4, ["--data-parallel", "2"])):
+        ranks = run(tmp_path / name, devices, *clip, *layout)
+        assert_as_one_process(single, ranks, all_seen=not layout)
+        rows = attention_rows(tmp_path / name)
+        assert len(rows) == 4 and list(rows[0]) == keys
+        for a, b in zip(one, rows):
+            assert [float(a[k]) for k in keys] == pytest.approx([float(b[k]) for k in keys], rel=1e-5)
+
+
+def attention_rows(directory: Path) -> list[dict]:
+    """QKClip's rows of the metrics file, its keys only."""
+    rows = [row for row in read_metrics(directory) if row.get("attention/max_logit")]
+    return [{k: v for k, v in row.items() if k.startswith("attention/")} for row in rows]
+
+
 def assert_split(single: dict, ranks: list[dict]) -> None:
     """The Newton-Schulz work split over the tensor-parallel ranks (the strategy's own FLOP count of the last
     step): each rank's share within 1.2x of ``1 / world`` of one process's, all of it done once; every shard

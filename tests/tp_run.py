@@ -5,7 +5,7 @@ tensor parallel with the plan of Lightning's tensor-parallel tutorial (the atten
 parallelised, the embedding, norms and head left plain tensors), and with ``--data-parallel 2`` FSDP2 over the other
 mesh dimension (Lightning's 2-D example), both by the example's own ``configure_model``; with ``--devices 1`` the
 same model in one process. Saves every rank's gathered parameters, first-batch roles and groups to ``out``;
-optionally keeps every epoch's checkpoint or resumes from one.
+optionally keeps every epoch's checkpoint or resumes from one, monitors, or QK-Clips.
 
 ``helpers`` imports without a ``sys.path`` edit: running a script puts its own directory first on ``sys.path``,
 and the tests' directory is on it under pytest."""
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from lightning_muon import Muon, MuonMixin, MuonMonitor, MuonWithAdamW
+from lightning_muon import Muon, MuonMixin, MuonMonitor, MuonWithAdamW, QKClip
 from lightning_muon.examples.parallel_gpt import ParallelGPT
 from lightning_muon.optim._dtensor import is_dtensor
 
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save", default=None, help="keep every epoch's checkpoint in this directory")
     parser.add_argument("--ckpt", default=None, help="resume from this checkpoint")
     parser.add_argument("--monitor", action="store_true", help="MuonMonitor every step, into out/metrics.csv")
+    parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QKClip(tau) after every update")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0)
@@ -117,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.devices > 1 else "auto"
     callbacks = [SaveRank(args.out), EndProcessGroup()] + ([epoch_checkpoints(Path(args.save))] if args.save else [])
     callbacks += [MuonMonitor(log_every_n_steps=1)] if args.monitor else []
+    callbacks += [QKClip(tau=args.qk_clip, log_every_n_steps=1)] if args.qk_clip else []
     logger = CSVLogger(args.out, name="", version="") if args.monitor else False
     trainer = L.Trainer(
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,

@@ -59,6 +59,12 @@ class AttentionSite:
     layout: QKLayout
     family: str
 
+    def current_layout(self) -> QKLayout:
+        """The layout found again from the module as it is now: inside a forward under FSDP2 its weights are the
+        gathered ones (under FSDP2 over tensor parallelism, this rank's tensor-parallel shards), not the
+        parameters the optimizer steps."""
+        return _FAMILIES[self.family][0](self.name, self.module) or self.layout
+
     def capture(self, recorder: Recorder) -> Callable[[], None]:
         """Start handing this module's q and k to ``recorder``; returns the function that stops it."""
         if self.module in RECORDERS:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_muon.attention.layout import QKLayout, QKProjection
+from lightning_muon.optim._dtensor import is_dtensor, local_slices
 
 __all__ = ["clip_factors", "qk_clip_"]
 
@@ -39,11 +40,22 @@ def clip_factors(layout: QKLayout, max_logits: Tensor, tau: float) -> tuple[Tens
 
 def _scale_heads_(proj: QKProjection, factors: Tensor, head_dim: int) -> None:
     rows = factors.repeat_interleave(head_dim)
-    block = proj.weight.narrow(proj.out_dim, proj.offset, rows.numel())
     shape = (-1, 1) if proj.out_dim == 0 else (1, -1)
-    block.mul_(rows.to(block.dtype).view(shape))
+    _scale_(proj.weight, proj.out_dim, proj.offset, rows, shape)
     if proj.bias is not None:
-        proj.bias.narrow(0, proj.bias_start, rows.numel()).mul_(rows.to(proj.bias.dtype))
+        _scale_(proj.bias, 0, proj.bias_start, rows, (-1,))
+
+
+def _scale_(tensor: Tensor, dim: int, start: int, rows: Tensor, shape: tuple[int, ...]) -> None:
+    """Multiply ``tensor``'s entries ``start .. start + len(rows)`` along ``dim`` by ``rows``; a DTensor (FSDP2,
+    tensor parallelism) on this rank's shard, by the factors of the entries it holds."""
+    if not is_dtensor(tensor):
+        tensor.narrow(dim, start, rows.numel()).mul_(rows.to(tensor.dtype).view(shape))
+        return
+    full = torch.ones(tensor.shape[dim], dtype=rows.dtype, device=rows.device)
+    full[start : start + rows.numel()] = rows
+    local = tensor.to_local()  # type: ignore[attr-defined]
+    local.mul_(full[local_slices(tensor)[dim]].to(local.dtype).view(shape))
 
 
 @torch.no_grad()
@@ -58,8 +70,12 @@ def qk_clip_(layout: QKLayout, max_logits: Tensor, tau: float) -> Tensor:
     """
     if not tau > 0:
         raise ValueError(f"tau must be > 0, got {tau!r}")
-    device = layout.query.weight.device
+    device = _local(layout.query.weight).device
     query, key = clip_factors(layout, max_logits.to(device), tau)
     _scale_heads_(layout.query, query, layout.head_dim)
     _scale_heads_(layout.key, key, layout.head_dim)
     return (query < 1).sum()
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]

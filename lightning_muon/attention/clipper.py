@@ -30,7 +30,7 @@ from lightning_muon.attention._families import ADAPTER_HINT, AttentionSite, Unsu
 from lightning_muon.attention.clip import qk_clip_
 from lightning_muon.attention.layout import Recorder
 from lightning_muon.attention.logits import DEFAULT_CHUNK_ELEMENTS, max_attention_logits
-from lightning_muon.optim._dtensor import is_dtensor
+from lightning_muon.optim._dtensor import is_dtensor, local_slices
 
 __all__ = ["MAX_LOGIT_KEY", "QKClipStats", "QKClipper"]
 
@@ -71,11 +71,16 @@ class QKClipper:
         tau: the threshold (Kimi K2 uses 100); ``None`` measures without clipping.
         exclude: ``fnmatch`` patterns of module names to leave out.
         chunk_elements: the largest logit block formed at once while measuring.
-        sync: all-reduce the maxima (max) over ``torch.distributed``'s default group when it is initialised.
+        sync: all-reduce the maxima (max) over ``torch.distributed``'s default group when it is initialised:
+            DDP's and FSDP2's ranks measure every head on their own batches; under tensor parallelism each rank
+            measures the heads of its shard of the query weight, and the all-reduce gives every rank all of them.
+
+    Sharded (DTensor) q/k weights, FSDP2's and tensor parallelism's, are clipped on each rank's own shard, by the
+    factors of the rows it holds.
 
     Raises:
-        UnsupportedAttentionError: attention whose q/k cannot be found, QK-norm attention with a ``tau``
-            (scaling the projection cannot lower normalised logits), or sharded (DTensor) weights.
+        UnsupportedAttentionError: attention whose q/k cannot be found, or QK-norm attention with a ``tau``
+            (scaling the projection cannot lower normalised logits).
         ValueError: a bad ``tau``, or a model without attention.
     """
 
@@ -118,12 +123,6 @@ class QKClipper:
 
     def _check_clippable(self) -> None:
         for site in self.sites:
-            weights = (site.layout.query.weight, site.layout.key.weight)
-            if any(is_dtensor(w) for w in weights):
-                raise UnsupportedAttentionError(
-                    f"{site.name}: its q/k weights are sharded (DTensor, FSDP2); QK-Clip supports one process and "
-                    "DDP so far"
-                )
             if self.tau is not None and site.layout.qk_norm:
                 raise UnsupportedAttentionError(
                     f"{site.name} ({type(site.module).__name__}) normalises q and k after the projection (QK-norm): "
@@ -141,11 +140,7 @@ class QKClipper:
                     query.detach(), key.detach(), scale=scale, causal=causal, keep=keep,
                     chunk_elements=self.chunk_elements,
                 )
-            if found.shape != (site.layout.num_heads,):
-                raise UnsupportedAttentionError(
-                    f"{site.name}: its attention used {found.numel()} query heads, its layout says "
-                    f"{site.layout.num_heads}"
-                )
+            found = _as_every_head(site, found)
             previous = self._max[index]
             self._max[index] = found if previous is None else torch.maximum(previous, found)
             self._ever_seen[index] = True
@@ -247,3 +242,26 @@ class QKClipper:
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.remove()
+
+
+def _as_every_head(site: AttentionSite, found: Tensor) -> Tensor:
+    """``found``, one max logit per query head the forward used, as one per head of the layout: the same where
+    it used every head; under tensor parallelism, where it used the heads of this rank's shard of the query weight
+    (a DTensor as the forward sees it: under FSDP2 over tensor parallelism, the gathered tensor-parallel shard),
+    those in place and ``-inf`` for the other ranks' (the all-reduce of `QKClipper.clip` fills them)."""
+    layout = site.layout
+    if found.shape == (layout.num_heads,):
+        return found
+    query = site.current_layout().query
+    if is_dtensor(query.weight):
+        held = local_slices(query.weight)[query.out_dim]
+        first = max(held.start - query.offset, 0) // layout.head_dim
+        stop = min(held.stop - query.offset, layout.num_heads * layout.head_dim) // layout.head_dim
+        if found.shape == (stop - first,):
+            every = torch.full((layout.num_heads,), float("-inf"), dtype=found.dtype, device=found.device)
+            every[first:stop] = found
+            return every
+    raise UnsupportedAttentionError(
+        f"{site.name}: its attention used {found.numel()} query heads, its layout says {layout.num_heads}"
+        + (" (and this rank's shard of the query weight holds a different number)" if is_dtensor(query.weight) else "")
+    )

@@ -23,7 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
@@ -50,7 +50,8 @@ class QKClip(Callback):
     Supported without any naming: transformers attention with ``q_proj``/``k_proj`` (Llama, Qwen2, Mistral,
     GQA), GPT-2 (fused ``c_attn``), litgpt ``CausalSelfAttention`` and ``torch.nn.MultiheadAttention``; any
     other through the adapter of `lightning_muon.attention.QKLayout`. Works with `MuonMixin` and with any
-    optimizer under automatic optimization, on one process or DDP (the maxima are all-reduced).
+    optimizer under automatic optimization, on one process, DDP and Lightning's ``ModelParallelStrategy``
+    (FSDP2, tensor parallelism: the maxima are all-reduced, sharded weights clipped shard by shard).
 
     Example::
 
@@ -89,11 +90,13 @@ class QKClip(Callback):
             )
         except (UnsupportedAttentionError, ValueError) as error:
             raise MisconfigurationException(f"QKClip: {error}") from error
-        # DDP itself, not its subclasses (DeepSpeed's): the one multi-process strategy QKClip is tested under.
-        if trainer.world_size > 1 and type(trainer.strategy) not in _compat.lightning_classes(DDPStrategy):
+        # DDP itself and ModelParallelStrategy, not their subclasses (DeepSpeed's): the multi-process strategies
+        # QKClip is tested under.
+        tested = (*_compat.lightning_classes(DDPStrategy), *_compat.lightning_classes(ModelParallelStrategy))
+        if trainer.world_size > 1 and type(trainer.strategy) not in tested:
             rank_zero_warn(
-                f"QKClip runs under {type(trainer.strategy).__name__}: it is tested on one process and under DDP; "
-                "sharded weights are refused when found."
+                f"QKClip runs under {type(trainer.strategy).__name__}: it is tested on one process, under DDP and "
+                "under ModelParallelStrategy (FSDP2, tensor parallelism, both)."
             )
         self._every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
         self._last_step = trainer.global_step

@@ -83,3 +83,15 @@ def tiles(tensor: Tensor, parts: tuple[Part, ...]) -> bool:
         if m0 and n0 and m1 and n1 and r0 < r1 + m1 and r1 < r0 + m0 and c0 < c1 + n1 and c1 < c0 + n0:
             return False
     return all(0 <= r and r + m <= rows and 0 <= c and c + n <= cols for r, m, c, n in parts)
+
+
+def local_slices(tensor: Tensor) -> tuple[slice, ...]:
+    """Where this rank's shard of a DTensor lies in the whole tensor, one slice per dim (the whole dim where it is
+    not sharded); for a plain tensor, all of every dim."""
+    if not is_dtensor(tensor):
+        return tuple(slice(0, n) for n in tensor.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = tensor.device_mesh, tensor.placements  # type: ignore[attr-defined]
+    local, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+    return tuple(slice(start, start + n) for start, n in zip(offset, local, strict=True))

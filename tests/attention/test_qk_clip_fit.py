@@ -133,8 +133,8 @@ def test_a_model_without_attention_is_refused_at_fit_start(tmp_path):
 
 @pytest.mark.parametrize(("strategy", "warned"), [("ddp", False), ("ddp_subclass", True)])
 def test_several_processes_under_a_strategy_other_than_ddp_itself_are_warned_about(strategy, warned):
-    """DDP (of either Lightning package) is the multi-process strategy QKClip is tested under; its subclasses
-    (DeepSpeed's) are not."""
+    """DDP and ModelParallelStrategy (of either Lightning package) are the multi-process strategies QKClip is
+    tested under; their subclasses (DeepSpeed's) are not."""
     import warnings
     from types import SimpleNamespace
 
@@ -151,5 +151,5 @@ def test_several_processes_under_a_strategy_other_than_ddp_itself_are_warned_abo
         callback.on_fit_start(trainer, module)
     callback.teardown(trainer, module, "fit")
     told = [str(w.message) for w in caught if "QKClip runs under" in str(w.message)]
-    assert told == (["QKClip runs under Subclass: it is tested on one process and under DDP; sharded weights are "
-                     "refused when found."] if warned else [])
+    assert told == (["QKClip runs under Subclass: it is tested on one process, under DDP and under "
+                     "ModelParallelStrategy (FSDP2, tensor parallelism, both)."] if warned else [])
