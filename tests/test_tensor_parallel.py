@@ -136,17 +136,20 @@ def test_muon_with_adamw_under_lightnings_own_loop_trains_as_one_process(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_tensor_parallel_checkpoint_resumes_exactly_and_converts_for_one_process(tmp_path):
-    """Lightning's distributed checkpoint directory (saved at an epoch's end) resumes TP(2) bit for bit; its
-    one-file conversion (`lightning-muon convert-checkpoint`) resumes one process to the same weights."""
-    epochs = ["--max-steps", "-1", "--max-epochs"]
+@pytest.mark.parametrize("layout", [[], ["--data-parallel", "2"]], ids=["tp2", "dp2xtp2"])
+def test_a_tensor_parallel_checkpoint_resumes_exactly_and_converts_for_one_process(tmp_path, layout):
+    """Lightning's distributed checkpoint directory (saved at an epoch's end) resumes TP(2), and dp=2 x tp=2 on 4
+    ranks, bit for bit; its one-file conversion (`lightning-muon convert-checkpoint`) resumes one process to the
+    same weights."""
+    devices = 4 if layout else 2
+    epochs = [*layout, "--max-steps", "-1", "--max-epochs"]
     checkpoint = tmp_path / "checkpoints" / "epoch0.ckpt"  # kept by the uninterrupted run, at its first epoch's end
-    straight = run(tmp_path / "straight", 2, *epochs, "2", "--save", str(tmp_path / "checkpoints"))
-    resumed = run(tmp_path / "resumed", 2, *epochs, "2", "--ckpt", str(checkpoint))
+    straight = run(tmp_path / "straight", devices, *epochs, "2", "--save", str(tmp_path / "checkpoints"))
+    resumed = run(tmp_path / "resumed", devices, *epochs, "2", "--ckpt", str(checkpoint))
     assert checkpoint.is_dir()
     for name, p in straight[0]["params"].items():
         assert torch.equal(resumed[0]["params"][name], p), name
     main(["convert-checkpoint", str(checkpoint), str(tmp_path / "one.ckpt")])
-    (one,) = run(tmp_path / "one", 1, *epochs, "2", "--ckpt", str(tmp_path / "one.ckpt"))
+    (one,) = run(tmp_path / "one", 1, "--max-steps", "-1", "--max-epochs", "2", "--ckpt", str(tmp_path / "one.ckpt"))
     for name, p in straight[0]["params"].items():
         torch.testing.assert_close(one["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
