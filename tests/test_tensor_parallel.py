@@ -123,6 +123,17 @@ def test_two_dimensional_data_and_tensor_parallel_trains_as_one_process(tmp_path
 
 
 @pytest.mark.distributed
+def test_every_parameter_a_dtensor_trains_as_one_process(tmp_path):
+    """The plan with the embeddings, head and norms on the tensor-parallel mesh too (every parameter a DTensor),
+    under `MuonMixin` and under `MuonWithAdamW`: TP(2) as one process, the work split as under the tutorial's."""
+    for mode in ([], ["--one-optimizer"]):
+        (single,) = run(tmp_path / "one", 1, *mode)
+        ranks = run(tmp_path / "tp", 2, "--all-dtensor", *mode)
+        assert_as_one_process(single, ranks)
+        assert_split(single, ranks)
+
+
+@pytest.mark.distributed
 def test_muon_with_adamw_under_lightnings_own_loop_trains_as_one_process(tmp_path):
     """The one-optimizer way in, built in ``configure_optimizers`` from the parallelised parameters: TP(2), and
     dp=2 x tp=2 on 4 ranks, the Newton-Schulz work split as under the mixin."""

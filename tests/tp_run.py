@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_muon import Muon, MuonMixin, MuonMonitor, MuonWithAdamW, QKClip
 from lightning_muon.examples.parallel_gpt import ParallelGPT
@@ -66,6 +67,43 @@ class OneOptimizerTinyLM(TinyLM):
         return MuonWithAdamW(self, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32)
 
 
+def every_parameter_a_dtensor(model: ParallelGPT, tp_mesh) -> None:
+    """After the tutorial plan, the rest of the model on the tensor-parallel mesh too, so that every parameter is
+    a DTensor: the embeddings ``RowwiseParallel`` and the head ``ColwiseParallel`` (their outputs replicated), the
+    norms' weights replicated DTensors (their inputs and outputs plain tensors, as around them)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    replicated = RowwiseParallel(input_layouts=Replicate())
+    parallelize_module(model, tp_mesh, {"embedding": replicated, "wpe": replicated,
+                                        "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    norms = [model.norm, *(n for block in model.blocks for n in (block.norm1, block.norm2))]
+    for norm in norms:
+        distribute_module(
+            norm, tp_mesh,
+            input_fn=lambda _, inputs, mesh: tuple(DTensor.from_local(t, mesh, [Replicate()]) for t in inputs),
+            output_fn=lambda _, output, mesh: output.to_local(),
+        )
+
+
+class AllDTensorLM(TinyLM):
+    """`TinyLM` with every parameter a DTensor under tensor parallelism (`every_parameter_a_dtensor`)."""
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None or any(is_dtensor(p) for p in self.parameters()):
+            return
+        super().configure_model()
+        every_parameter_a_dtensor(self, self.device_mesh["tensor_parallel"])
+
+
+class MuonAllDTensorLM(MuonMixin, AllDTensorLM):
+    pass
+
+
+class OneOptimizerAllDTensorLM(AllDTensorLM, OneOptimizerTinyLM):
+    pass
+
+
 class SaveRank(L.Callback):
     """Each rank writes its gathered parameters, the roles its first training batch showed and the groups its
     optimizers hold, and what its Muon's strategy counted in the last step: where the work ran, the
@@ -106,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--clip-algorithm", default="norm")
     parser.add_argument("--one-optimizer", action="store_true", help="MuonWithAdamW under Lightning's own loop")
+    parser.add_argument("--all-dtensor", action="store_true", help="every parameter a DTensor under TP")
     parser.add_argument("--save", default=None, help="keep every epoch's checkpoint in this directory")
     parser.add_argument("--ckpt", default=None, help="resume from this checkpoint")
     parser.add_argument("--monitor", action="store_true", help="MuonMonitor every step, into out/metrics.csv")
@@ -128,7 +167,11 @@ def main(argv: list[str] | None = None) -> None:
         gradient_clip_algorithm=args.clip_algorithm,
         use_distributed_sampler=False,  # the dataloader shards the data-parallel dimension itself
     )
-    trainer.fit(OneOptimizerTinyLM() if args.one_optimizer else MuonTinyLM(muon=muon_factory()), ckpt_path=args.ckpt)
+    if args.all_dtensor:
+        model = OneOptimizerAllDTensorLM() if args.one_optimizer else MuonAllDTensorLM(muon=muon_factory())
+    else:
+        model = OneOptimizerTinyLM() if args.one_optimizer else MuonTinyLM(muon=muon_factory())
+    trainer.fit(model, ckpt_path=args.ckpt)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,10 @@ batch; its output carries just those matrices and is not from the batch. Every o
 outputs are from the batch if an input is, and carry the union of its inputs' matrices). The *output heads* are
 the matrices the loss carries: all of them, parallel heads included.
 
+Under tensor parallelism the batch and the activations pass in and out of DTensors in calls the mode does not see
+(``DTensor.from_local``, ``to_local``): a DTensor and its local shard are taken to hold the same thing, so the trace
+follows a model whose every parameter is a DTensor as it follows the plain one.
+
 The trace follows the batch itself, not the autograd graph: the batch does not require gradients, so it is not in
 that graph, and the constants that are (RoPE tables, masks) would read as data there. The trace is observation
 only: every call runs unchanged (compiled modules run eagerly during it), and the trace's own bookkeeping never
@@ -202,6 +206,7 @@ class RoleTrace(TorchFunctionMode):
         inputs = list(_tensors((args, kwargs)))
         if not inputs:
             return
+        self._link_shards(inputs)
         new = [t for t in inputs if t.is_leaf and (t.requires_grad or isinstance(t, nn.Parameter))
                and t not in self._param_names]
         if any(t not in self._strangers for t in new):
@@ -229,6 +234,21 @@ class RoleTrace(TorchFunctionMode):
             self._mark(targets, weights=applied)
         else:
             self._mark(targets, from_batch=from_batch, carried=carried)
+        self._link_shards(targets)
+
+    def _link_shards(self, tensors: list[Tensor]) -> None:
+        """A DTensor and its local shard hold the same values: what is known of one holds for the other. Tensor
+        parallelism wraps the batch into DTensors (``DTensor.from_local``) and unwraps outputs (``to_local``) in
+        calls the mode does not see, only the views of the local tensor inside them."""
+        for t in tensors:
+            local = getattr(t, "_local_tensor", None)  # DTensor's own attribute: asking for it is no torch call
+            if not isinstance(local, Tensor):
+                continue
+            for facts in (self._weights, self._from_batch, self._carried):
+                if t in facts and local not in facts:
+                    facts[local] = facts[t]
+                elif local in facts and t not in facts:
+                    facts[t] = facts[local]
 
     def _targets(self, name: str, inputs: list[Tensor], out: Any) -> list[Tensor]:
         """The tensors a call wrote: its outputs, and its first input when it writes in place."""
