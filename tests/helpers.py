@@ -13,6 +13,7 @@ import csv
 import functools
 import multiprocessing
 import os
+import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -211,6 +212,17 @@ class Recorder(L.Callback):
         self.batches += 1
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.losses.append(float(loss))
+
+
+# ------------------------------------------------------------------ the documentation's pages
+
+#: The documentation site's pages (``mkdocs.yml``): the guides' code runs in the tests that read them.
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def code_blocks(page: str, language: str = "python") -> list[str]:
+    """The ``language`` code blocks of a docs page (``"guides/qk-clip.md"``), in order."""
+    return re.findall(rf"```{language}\n(.*?)```", (DOCS / page).read_text(), re.S)
 
 
 # ------------------------------------------------------------------ the distributed tests

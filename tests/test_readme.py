@@ -1,25 +1,24 @@
-"""The README's code, run as written: the "Without the Trainer" loops (plain PyTorch and Fabric)."""
+"""The guides' code, run as written: the "Without the Trainer" loops (plain PyTorch and Fabric,
+docs/guides/plain-pytorch.md), and every command of docs/guides/command.md."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from helpers import DOCS, code_blocks
+
+PAGES = {"Without the Trainer": "guides/plain-pytorch.md", "The command and the configs": "guides/command.md"}
 
 
 def section(title: str) -> str:
-    text = README.read_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else None]
+    return (DOCS / PAGES[title]).read_text()
 
 
 def python_blocks(title: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", section(title), re.S)
+    return code_blocks(PAGES[title])
 
 
 def test_the_section_has_both_loops():
@@ -32,7 +31,8 @@ def test_the_section_has_both_loops():
 def test_a_loop_without_the_trainer_learns(index, capsys):
     torch.manual_seed(0)
     namespace: dict = {}
-    exec(compile(python_blocks("Without the Trainer")[index], f"README.md block {index}", "exec"), namespace)
+    block = python_blocks("Without the Trainer")[index]
+    exec(compile(block, f"docs/guides/plain-pytorch.md block {index}", "exec"), namespace)
     assert namespace["loss"].item() < 0.5  # from about ln(16) = 2.77
     assert namespace["routing"].names("Muon") == ["2.weight", "4.weight"]
 

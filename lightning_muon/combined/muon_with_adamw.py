@@ -54,19 +54,20 @@ class MuonWithAdamW(Optimizer):
     Inside, a `Muon` and a ``torch.optim.AdamW`` share this optimizer's param-group dicts and ``state``
     (`muon` and `adamw` return them: ``opt.muon.record_diagnostics()``, ``opt.muon.effective_lr(p)``).
 
+    The keyword arguments ``lr``, ``weight_decay``, ``momentum``, ``nesterov``, ``ns_coefficients``, ``eps``,
+    ``ns_steps``, ``adjust_lr_fn``, ``ns_dtype``, ``ns_batch_bytes``, ``ns_gram_aspect``, ``split_ns``,
+    ``process_group``, ``device_mesh`` and ``exchange_round_bytes`` are the Muon groups' settings and `Muon`'s
+    own (see `lightning_muon.Muon`); ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``,
+    ``adamw_amsgrad``, ``foreach`` and ``fused`` the AdamW groups' (``torch.optim.AdamW``'s ``lr``, ``betas``,
+    ``eps``, ``weight_decay``, ``amsgrad``, ``foreach``, ``fused``); ``muon_params`` and ``adamw_params`` are
+    routing overrides, glob patterns on full parameter names (only with a model: see
+    `lightning_muon.route_parameters`).
+
     Args:
         params: the model (an ``nn.Module``: routed by `lightning_muon.route_parameters`, the groups named as
             its table), a `lightning_muon.Routing`, or param groups each with ``algorithm`` (their ``params``
             tensors or ``(name, tensor)`` pairs, as ``model.named_parameters()`` gives). A bare list of
             parameters is refused: it does not say which are hidden matrices.
-        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn, ns_dtype,
-            ns_batch_bytes, ns_gram_aspect, split_ns, process_group, device_mesh, exchange_round_bytes:
-            the Muon groups' settings and `Muon`'s own (see `lightning_muon.Muon`).
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, adamw_amsgrad, foreach, fused: the AdamW groups'
-            settings (``torch.optim.AdamW``'s ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``,
-            ``foreach``, ``fused``).
-        muon_params, adamw_params: routing overrides, glob patterns on full parameter names (only with a
-            model: see `lightning_muon.route_parameters`).
 
     Raises:
         ValueError: a bad setting (quoting it, as `Muon` and ``AdamW`` word it), a group without a valid

@@ -1,30 +1,21 @@
-"""The README's QK-Clip section runs as written, and names the keys the callback logs."""
+"""The QK-Clip guide (docs/guides/qk-clip.md) runs as written, and names the keys the callback logs."""
 
 from __future__ import annotations
-
-import re
-from pathlib import Path
 
 import torch
 
 from lightning_muon.attention import QKClipper
 from lightning_muon.attention.clipper import CLIPPED_HEADS_KEY, MAX_LOGIT_KEY
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def section() -> str:
-    text = README.read_text()
-    start = text.index("\n## QK-Clip\n")
-    return text[start : text.index("\n## ", start + 1)]
+from helpers import DOCS, code_blocks
 
 
 def test_the_adapter_example_runs_and_clips():
-    blocks = re.findall(r"```python\n(.*?)```", section(), re.S)
+    blocks = code_blocks("guides/qk-clip.md")
     assert len(blocks) == 2
-    exec(compile(blocks[0], "README.md QK-Clip block 0", "exec"), {})
+    exec(compile(blocks[0], "docs/guides/qk-clip.md block 0", "exec"), {})
     namespace: dict = {}
-    exec(compile(blocks[1], "README.md QK-Clip block 1", "exec"), namespace)
+    exec(compile(blocks[1], "docs/guides/qk-clip.md block 1", "exec"), namespace)
     stats, model = namespace["stats"], namespace["model"]
     assert int(stats.clipped_heads.sum()) > 0 and stats.max_logit > 1.0
     with QKClipper(model, tau=None) as meter, meter.recording():
@@ -34,6 +25,6 @@ def test_the_adapter_example_runs_and_clips():
 
 
 def test_the_logged_keys_are_documented():
-    text = section()
+    text = (DOCS / "guides/qk-clip.md").read_text()
     for key in (MAX_LOGIT_KEY, f"{MAX_LOGIT_KEY}/<module name>", CLIPPED_HEADS_KEY):
         assert f"`{key}`" in text, key

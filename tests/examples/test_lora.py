@@ -15,6 +15,8 @@ from lightning_muon.commands.cli import main
 from lightning_muon.examples.char_gpt import GPT
 from lightning_muon.routing import ADAMW, MUON
 
+from helpers import code_blocks
+
 peft = pytest.importorskip("peft")
 
 from lightning_muon.examples.lora import LoraGPT, MuonLoraGPT  # noqa: E402  (after the skip: it needs peft)
@@ -34,14 +36,9 @@ def adapted_name(name: str) -> str:
     return f"model.base_model.model.{layer}{'.base_layer' if adapted else ''}.{kind}"
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
 def readme_recipe() -> list[list[str]]:
-    """The README's "LoRA fine-tuning" commands, as argv lists without the program."""
-    text = README.read_text()
-    start = text.index("\n## LoRA fine-tuning\n")
-    (block,) = re.findall(r"```bash\n(.*?)```", text[start : text.index("\n## ", start + 1)], re.S)
+    """The fine-tuning guide's LoRA commands (docs/guides/fine-tuning.md), as argv lists without the program."""
+    (block,) = code_blocks("guides/fine-tuning.md", "bash")
     commands = [line.partition("#")[0].split() for line in block.splitlines()]
     assert all(argv[0] == "lightning-muon" for argv in commands)
     return [argv[1:] for argv in commands]
@@ -49,7 +46,7 @@ def readme_recipe() -> list[list[str]]:
 
 @pytest.mark.slow
 def test_the_lora_recipe_trains_only_the_adapters_and_its_checkpoint_loads_and_merges(tmp_path, monkeypatch, capsys):
-    """The README's two commands as written, shortened (3 updates; a 2-layer width-32 GPT pretrained 2 updates)."""
+    """The guide's two commands as written, shortened (3 updates; a 2-layer width-32 GPT pretrained 2 updates)."""
     pretrain, finetune = readme_recipe()
     monkeypatch.chdir(tmp_path)
     cache = ["--data.init_args.cache_dir", str(tmp_path / "cache")]

@@ -1,29 +1,24 @@
-"""The README's "One optimizer" section, run as written: transformers' Trainer, the automatic-optimization
-LightningModule, its LightningCLI config and the spec recipes."""
+"""The "One optimizer" guide (docs/guides/one-optimizer.md), run as written: transformers' Trainer, the
+automatic-optimization LightningModule, its LightningCLI config and the spec recipes."""
 
 from __future__ import annotations
-
-import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_muon import MuonWithAdamW
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+from helpers import code_blocks
 
 
 def blocks(language: str) -> list[str]:
-    text = README.read_text()
-    start = text.index("\n## One optimizer\n")
-    section = text[start : text.index("\n## ", start + 1)]
-    return re.findall(rf"```{language}\n(.*?)```", section, re.S)
+    return code_blocks("guides/one-optimizer.md", language)
 
 
 def run(block: str, name: str) -> dict:
     namespace: dict = {"__name__": "readme"}
-    exec(compile(block, f"README.md ({name})", "exec", dont_inherit=True), namespace)  # real annotations
+    where = f"docs/guides/one-optimizer.md ({name})"
+    exec(compile(block, where, "exec", dont_inherit=True), namespace)  # real annotations
     return namespace
 
 
