@@ -14,10 +14,10 @@ Moonlight's paper reports the same for mismatched pretrain/fine-tune optimizers.
      matrices are updated;
    - LoRA (`lightning_muon.examples.lora.MuonLoraGPT`: the pretrained model frozen, rank-8 adapters on the block
      matrices, ``lora_A`` ``r x in`` and ``lora_B`` ``out x r``), placed by the mixin's routing settings: both on
-     AdamW (``lora_adamw``, ``muon: null``), both on Muon (``lora_muon``, the default routing: they are hidden
-     matrices), or split (``lora_a_muon``: ``adamw_params: ["*lora_B*"]``; ``lora_b_muon``:
-     ``adamw_params: ["*lora_A*"]``). A split side sweeps its Muon lr with the AdamW half at ``lora_adamw``'s
-     tuned lr, so the AdamW sides are fitted first.
+     AdamW (``lora_adamw``, ``muon: null``), both on Muon (``lora_muon``), or split (``lora_a_muon``: ``lora_A``
+     on Muon, ``lora_B`` on AdamW, the routing's default since this study; ``lora_b_muon``: the other way), each
+     placed by explicit routing patterns (`PLACEMENT`). A split side sweeps its Muon lr with the AdamW half at
+     ``lora_adamw``'s tuned lr, so the AdamW sides are fitted first.
 
 The table holds every side against the tuned ``lora_adamw``; the verdicts put each LoRA side against it and each
 full fine-tuning side against ``ft_adamw``.
@@ -51,14 +51,15 @@ import _report
 
 ADAMW_LR = 0.00075  # gpt_adamw.yaml's: the best AdamW lr of benchmarks/quality.py at 300 steps
 MUON_LR = 0.02  # gpt_muon.yaml's
-LORA_ADAMW_LR = 0.003  # gpt_lora_adamw.yaml's: the centre of lora_adamw's sweep
-LORA_MUON_LR = 0.02  # gpt_lora_muon.yaml's: the centre of the LoRA Muon sides' sweeps
+LORA_ADAMW_LR = 0.003  # the centre of lora_adamw's sweep (4x ADAMW_LR); gpt_lora_adamw.yaml holds its tuned 0.006
+LORA_MUON_LR = 0.02  # the centre of the LoRA Muon sides' sweeps (gpt_muon.yaml's); gpt_lora_muon.yaml holds 0.01
 LORA = {"lora_rank": 8, "lora_alpha": 16}  # gpt_lora_muon.yaml's
 SIDES = {
     "lora_adamw": "LoRA, lora_A and lora_B on AdamW (muon: null)",
-    "lora_muon": "LoRA, lora_A and lora_B on Muon (the default routing: hidden matrices)",
-    "lora_a_muon": "LoRA, lora_A on Muon, lora_B on AdamW at lora_adamw's tuned lr (adamw_params: ['*lora_B*'])",
-    "lora_b_muon": "LoRA, lora_B on Muon, lora_A on AdamW at lora_adamw's tuned lr (adamw_params: ['*lora_A*'])",
+    "lora_muon": "LoRA, lora_A and lora_B on Muon (muon_params: ['*lora_A*', '*lora_B*'])",
+    "lora_a_muon": "LoRA, lora_A on Muon, lora_B on AdamW at lora_adamw's tuned lr (the routing's default)",
+    "lora_b_muon": "LoRA, lora_B on Muon, lora_A on AdamW at lora_adamw's tuned lr (muon_params: ['*lora_B*'], "
+                   "adamw_params: ['*lora_A*'])",
     "ft_adamw": "full fine-tuning, AdamW alone",
     "ft_muon": "full fine-tuning, Muon + AdamW",
     "ft_muon_match": "full fine-tuning, Muon + AdamW, Muon at AdamW's lr scale (adjust_lr_fn=match_rms_adamw)",
@@ -66,7 +67,13 @@ SIDES = {
 #: Each side's AdamW-only baseline: a side's verdict is against it.
 BASELINES = {name: "lora_adamw" if name.startswith("lora") else "ft_adamw" for name in SIDES}
 #: The sides whose AdamW lr is ``lora_adamw``'s tuned one (their AdamW half), and the pattern that makes the half.
-SPLIT = {"lora_a_muon": "*lora_B*", "lora_b_muon": "*lora_A*"}
+SPLIT = {"lora_a_muon", "lora_b_muon"}
+#: Where each LoRA side puts the adapters, by routing patterns (explicit, whatever the routing's default).
+PLACEMENT: dict[str, dict[str, list[str]]] = {
+    "lora_muon": {"muon_params": ["*lora_A*", "*lora_B*"]},
+    "lora_a_muon": {"muon_params": ["*lora_A*"], "adamw_params": ["*lora_B*"]},
+    "lora_b_muon": {"muon_params": ["*lora_B*"], "adamw_params": ["*lora_A*"]},
+}
 
 
 def finetune_corpus() -> str:
@@ -125,8 +132,7 @@ def side_config(name: str, checkpoint: Path, steps: int, lora_adamw_lr: float = 
         model = {"class_path": "lightning_muon.examples.lora.MuonLoraGPT",
                  "init_args": {"init_from": str(checkpoint), **LORA}}
         optimizers = _tuned.optimizers(None if name == "lora_adamw" else LORA_MUON_LR, lora_adamw_lr)
-        if name in SPLIT:
-            optimizers["adamw_params"] = [SPLIT[name]]
+        optimizers.update(PLACEMENT.get(name, {}))
     model["init_args"].update(optimizers)
     return {
         "seed_everything": 0,

@@ -4,9 +4,10 @@
 PEFT's LoRA adapters (``lora_A``, ``r x in``, and ``lora_B``, ``out x r``) to the
 block matrices (``qkv``, ``proj``, ``fc``; never the embeddings or the head).
 Only the adapters train. `MuonLoraGPT` is the same model under `MuonMixin`:
-the adapters are hidden matrices, so both go to Muon by default, and the
-mixin's routing settings choose otherwise (``adamw_params: ["*lora_B*"]``
-puts ``lora_B`` on AdamW; ``muon: null`` puts everything on AdamW).
+the routing puts ``lora_A`` on Muon and ``lora_B`` on AdamW (where they trained
+best, ``benchmarks/finetune.py``), and the mixin's routing settings choose
+otherwise (``muon_params: ["*lora_B*"]`` puts ``lora_B`` on Muon too; ``muon:
+null`` puts everything on AdamW).
 Two commands, a few minutes on 2 CPU cores::
 
     lightning-muon fit --config gpt_adamw.yaml      # pretrain on the standard library's sources
@@ -109,8 +110,8 @@ def base_arguments(path: str | os.PathLike) -> dict[str, Any]:
 
 
 class MuonLoraGPT(MuonMixin, LoraGPT):
-    """`LoraGPT` trained with `MuonMixin`: the adapters ``lora_A`` and ``lora_B`` are hidden matrices, so both go
-    to Muon unless the routing settings say otherwise (``adamw_params: ["*lora_B*"]``, or ``muon: null``).
+    """`LoraGPT` trained with `MuonMixin`: ``lora_A`` on Muon and ``lora_B`` on AdamW (the routing's measured
+    default), unless the routing settings say otherwise (``muon_params: ["*lora_B*"]``, or ``muon: null``).
 
     Takes `LoraGPT`'s arguments and `lightning_muon.MuonMixin`'s keyword-only optimizer arguments (``muon``,
     ``adamw``, ``muon_params``, ``adamw_params``, ...).

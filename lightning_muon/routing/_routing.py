@@ -17,7 +17,7 @@ __all__ = ["Route", "Routing"]
 #: Group names, in the order the groups are returned.
 _GROUP_ORDER = {
     Algorithm.MUON: ("hidden",),
-    Algorithm.ADAMW: ("hidden", "embeddings", "input", "head", "norms_and_biases", "other"),
+    Algorithm.ADAMW: ("hidden", "adapters", "embeddings", "input", "head", "norms_and_biases", "other"),
 }
 
 

@@ -219,6 +219,21 @@ def _role_route(role: _Role, by_layout: Decision) -> Decision | None:
     return None
 
 
+#: PEFT's name for LoRA's ``B`` matrices (``out x r``, of Linear and conv layers), a path segment.
+LORA_B = "lora_B"
+
+
+def _adapter_route(aliases: Sequence[str], decision: Decision) -> Decision:
+    """Precedence 7 (after the roles, before the shape alone decides): a LoRA ``B`` matrix that would go to Muon
+    as a hidden matrix goes to AdamW, its ``A`` stays on Muon: measured on the shipped LoRA recipe
+    (``benchmarks/finetune.py``: A on Muon and B on AdamW, each side at its tuned lr, 3 seeds, ended lower than
+    both on Muon, both on AdamW, or B on Muon). PEFT's own word: the parameter's path holds ``lora_B``."""
+    if decision.optimizer is not Algorithm.MUON or not any(LORA_B in a.split(".") for a in aliases):
+        return decision
+    reason = "LoRA's B (out x r): AdamW's, A stays on Muon (measured, benchmarks/finetune.py)"
+    return decision.overruled(Algorithm.ADAMW, "adapters", reason, Rule.CONVENTION)
+
+
 def _graph_route(role: _Role, by_layout: Decision) -> Decision:
     """A matrix's route from what the first training batch showed (`GraphRoles`)."""
     if role.graph == "head":
@@ -256,6 +271,11 @@ def route_parameters(
             matrices, found from the computation. It decides for matrices after user patterns, module
             type and ties; the name and structure rules decide what it did not see.
 
+    PEFT LoRA's adapters: ``lora_A`` (``r x in``) is a hidden matrix, on Muon; ``lora_B`` (``out x r``) goes to
+    AdamW (group ``adapters``), where it trained better in the measured recipe (``benchmarks/finetune.py``).
+    ``muon_params=["*lora_B*"]`` puts it on Muon, ``adamw_params=["*lora_A*"]`` (or ``muon=None`` in the mixin)
+    both on AdamW.
+
     Raises:
         ValueError: a pattern matches nothing, a parameter matches both kinds
             of pattern, or a tensor Muon cannot take is forced to Muon.
@@ -287,7 +307,7 @@ def route_parameters(
         if to_muon or to_adamw:
             decision = _pattern_route(name, p, role, by_layout, to_muon, to_adamw, muon_nd)
         else:
-            decision = _role_route(role, by_layout) or by_layout
+            decision = _adapter_route(aliases[name], _role_route(role, by_layout) or by_layout)
         routes.append(decision.route(name, tuple(p.shape)))
 
     routed = [r.name for r in routes]

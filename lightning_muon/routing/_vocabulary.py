@@ -63,7 +63,7 @@ class Rule(_Named):
     TIE = "tie"
     #: What a training batch showed (`lightning_muon.routing.GraphRoles`): output heads, input layers.
     FIRST_BATCH = "first batch"
-    #: The model's own word: transformers' ``get_output_embeddings()``, timm's ``get_classifier()``.
+    #: The model's own word: transformers' ``get_output_embeddings()``, timm's ``get_classifier()``, PEFT's ``lora_B``.
     CONVENTION = "convention"
     #: A name: a head's (``lm_head``, ``classifier``), a token or position table's (``cls_token``).
     NAME = "name"

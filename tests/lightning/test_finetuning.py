@@ -1,5 +1,6 @@
 """Fine-tuning under MuonMixin, through a real Trainer: PEFT LoRA on a transformers Llama with the mixin's
-defaults (every trainable tensor is a LoRA matrix: Muon alone trains it), the frozen base left bit-identical,
+defaults (lora_A on Muon, lora_B on AdamW, as measured) and all on Muon (Muon alone trains it), the frozen base
+left bit-identical,
 checkpoints that round-trip and resume exactly; a routing that leaves Muon empty trains and resumes too; and
 Lightning's finetuning callbacks (BaseFinetuning, BackboneFinetuning) under both Lightning packages: what they
 unfreeze routed, each optimizer's backbone lr by its own lr, resumes before and after the unfreeze bit-identical
@@ -59,35 +60,55 @@ def two_epochs(root, model, ckpt_path=None, **kwargs):
     return snapshot(model)
 
 
-def test_lora_with_the_defaults_trains_only_the_adapters_on_muon_alone(tmp_path, caplog):
+#: Every adapter on Muon: the routing leaves AdamW nothing, so Muon alone trains the model.
+ALL_ON_MUON = {"muon_params": ["*lora_*"]}
+
+
+def test_lora_with_the_defaults_trains_only_the_adapters_a_on_muon_and_b_on_adamw(tmp_path):
+    """The default follows benchmarks/finetune.py's measurement: ``lora_A`` on Muon, ``lora_B`` on AdamW."""
     model = MuonLoraLM()
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    make_trainer(tmp_path, max_steps=4, csv_dir=tmp_path, callbacks=[MuonMonitor()]).fit(model)
+    muon, adamw = raw_optimizers(model)
+    on = {opt: sorted(n for g in opt.param_groups for n in g["param_names"]) for opt in (muon, adamw)}
+    assert on[muon] == sorted(n for n in lora_before if ".lora_A." in n) and len(on[muon]) == 4
+    assert on[adamw] == sorted(n for n in lora_before if ".lora_B." in n) and len(on[adamw]) == 4
+    assert [g["name"] for g in adamw.param_groups] == ["adapters"]
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[n], p) for n, p in frozen_before.items())  # the base, bit for bit
+    assert all(not torch.equal(after[n], p) for n, p in lora_before.items())  # every adapter trained
+    logged = read_metrics(tmp_path)
+    assert sum(1 for row in logged if row.get("lr-Muon/hidden")) == sum(
+        1 for row in logged if row.get("lr-AdamW/adapters")) == 4
+
+
+def test_lora_all_on_muon_trains_with_muon_alone(tmp_path, caplog):
+    """Either side may be empty: every adapter on Muon leaves AdamW nothing, and Muon alone trains the model."""
+    model = MuonLoraLM(**ALL_ON_MUON)
     lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     with caplog.at_level("INFO", logger="lightning.pytorch.utilities.rank_zero"):
         make_trainer(tmp_path, max_steps=4, csv_dir=tmp_path, callbacks=[MuonMonitor()]).fit(model)
     assert [r.message for r in caplog.records if "no parameter was routed to AdamW" in r.message]
     (muon,) = raw_optimizers(model)
     names = [n for g in muon.param_groups for n in g["param_names"]]
-    assert len(names) == 8 and all(".lora_A." in n or ".lora_B." in n for n in names)
-    assert sorted(names) == sorted(lora_before)
-    after = dict(model.named_parameters())
-    assert all(torch.equal(after[n], p) for n, p in frozen_before.items())  # the base, bit for bit
-    assert all(not torch.equal(after[n], p) for n, p in lora_before.items())  # every adapter trained
+    assert len(names) == 8 and sorted(names) == sorted(lora_before)
     logged = read_metrics(tmp_path)
     assert sum(1 for row in logged if row.get("lr-Muon/hidden")) == 4
     assert not [k for k in logged[0] if k.startswith("lr-AdamW")]
 
 
-def test_a_lora_checkpoint_loads_back_and_resumes_exactly(tmp_path):
-    straight = two_epochs(tmp_path / "straight", MuonLoraLM())
+@pytest.mark.parametrize("arguments", [{}, ALL_ON_MUON], ids=["default", "muon-alone"])
+def test_a_lora_checkpoint_loads_back_and_resumes_exactly(tmp_path, arguments):
+    straight = two_epochs(tmp_path / "straight", MuonLoraLM(**arguments))
     path = tmp_path / "straight" / "epoch=1.ckpt"
     loaded = MuonLoraLM.load_from_checkpoint(path, weights_only=True)
     assert same(snapshot(loaded), straight)
     assert LoraLM.load_from_checkpoint(path, weights_only=True).state_dict().keys() == loaded.state_dict().keys()
-    resumed = MuonLoraLM()
+    resumed = MuonLoraLM(**arguments)
     final = two_epochs(tmp_path / "resumed", resumed, ckpt_path=tmp_path / "straight" / "epoch=0.ckpt")
     assert same(final, straight)
-    assert len(raw_optimizers(resumed)) == 1
+    assert len(raw_optimizers(resumed)) == (1 if arguments else 2)
 
 
 def test_a_routing_with_nothing_on_muon_trains_and_resumes_on_adamw_alone(tmp_path):

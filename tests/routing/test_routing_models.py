@@ -45,7 +45,7 @@ from lightning_muon.routing import ADAMW, MUON, Route, route_parameters
 
 from helpers import make_trainer
 
-GROUP_ORDER = {MUON: ["hidden"], ADAMW: ["embeddings", "input", "head", "norms_and_biases", "other"]}
+GROUP_ORDER = {MUON: ["hidden"], ADAMW: ["adapters", "embeddings", "input", "head", "norms_and_biases", "other"]}
 VOCAB, WIDTH, SEQ = 64, 32, 16
 LR = 0.02
 

@@ -325,7 +325,9 @@ def test_lora_adapters_behind_a_frozen_base_are_neither_heads_nor_input_layers()
     found = roles(model, TOKENS, lambda b: lm_loss(model, b))
     routes = trainable_routes(model, found)
     assert len(routes) == 4 and all("lora_" in n for n in routes)  # one layer: q and v, A and B
-    assert set(routes.values()) == {(MUON, "hidden")}
+    # Not heads nor inputs: A is a hidden matrix on Muon, B AdamW's by the adapter rule (as measured)
+    assert {n: r for n, r in routes.items()} == {
+        n: (MUON, "hidden") if ".lora_A." in n else (ADAMW, "adapters") for n in routes}
     assert found.heads == {"base_model.model.lm_head.weight"}
     assert found.inputs == {"base_model.model.model.embed_tokens.weight"}
 
