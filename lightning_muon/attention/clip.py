@@ -70,12 +70,8 @@ def qk_clip_(layout: QKLayout, max_logits: Tensor, tau: float) -> Tensor:
     """
     if not tau > 0:
         raise ValueError(f"tau must be > 0, got {tau!r}")
-    device = _local(layout.query.weight).device
+    device = layout.query.weight.device
     query, key = clip_factors(layout, max_logits.to(device), tau)
     _scale_heads_(layout.query, query, layout.head_dim)
     _scale_heads_(layout.key, key, layout.head_dim)
     return (query < 1).sum()
-
-
-def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
