@@ -1,32 +1,274 @@
 """The documentation site (``mkdocs.yml``, ``docs/``): it builds with no warning (a broken link or
 cross-reference, a missing page, a docstring mkdocstrings cannot read fails), its API reference covers the declared
-public surface, and every Markdown table in it and in the README renders as a table."""
+public surface and reads right (values, not source expressions, as defaults; no reStructuredText left over), the
+examples in the docstrings parse (and run where they can), and every Markdown table in it and in the README renders
+as a table."""
 
 from __future__ import annotations
 
+import ast
+import html
+import inspect
 import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 import lightning_muon
 import lightning_muon.attention
 import lightning_muon.optim.groups
+from lightning_muon.optim import defaults
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+PACKAGE = ROOT / "lightning_muon"
 
 
-def test_the_site_builds_strictly(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The site, built once for this module's tests (``mkdocs build --strict``): the build's result and folder."""
+    site_dir = tmp_path_factory.mktemp("site")
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
+    return result, site_dir
+
+
+def test_the_site_builds_strictly(site):
+    result, site_dir = site
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (tmp_path / "site" / "api" / "optimizers" / "index.html").is_file()
+    assert (site_dir / "api" / "optimizers" / "index.html").is_file()
+
+
+# ------------------------------------------------------------------ the API reference as a browser shows it
+
+
+@pytest.fixture(scope="module")
+def api_pages(site) -> dict[str, str]:
+    """Each API page's rendered article (the HTML between ``<article>`` and ``</article>``), by page name."""
+    result, site_dir = site
+    assert result.returncode == 0, result.stderr[-3000:]
+    pages = {}
+    for source in sorted((DOCS / "api").glob("*.md")):
+        built = site_dir / "api" / ("index.html" if source.stem == "index" else f"{source.stem}/index.html")
+        text = built.read_text()
+        pages[source.stem] = text[text.index("<article"): text.index("</article>")]
+    return pages
+
+
+def plain_text(fragment: str) -> str:
+    """What a reader sees of an HTML fragment: the tags dropped, the entities decoded."""
+    return html.unescape(re.sub(r"<[^>]+>", "", fragment))
+
+
+def rendered_signature(page: str, path: str) -> str:
+    """The signature block under the heading of the object ``path``, as text."""
+    heading = page.index(f'id="{path}"')
+    block = re.search(r'<div class="doc-signature[^"]*">(.*?)</div>', page[heading:], re.S)
+    assert block is not None, f"no signature under {path}"
+    return plain_text(block.group(1))
+
+
+def signature_defaults(signature: str) -> dict[str, str]:
+    """The default of each parameter of a rendered signature, as Python source (``ast.unparse``): the signature
+    must itself read as Python."""
+    tree = ast.parse(f"def {signature.strip()}: pass")
+    arguments = tree.body[0].args
+    positional = [*arguments.posonlyargs, *arguments.args]
+    pairs = [*zip(positional[len(positional) - len(arguments.defaults):], arguments.defaults),
+             *zip(arguments.kwonlyargs, arguments.kw_defaults)]
+    return {arg.arg: ast.unparse(default) for arg, default in pairs if default is not None}
+
+
+def rendered_defaults(page: str) -> list[str]:
+    """Every place a page shows a default: its signatures, and the Default column of its parameter tables."""
+    shown = [plain_text(block) for block in re.findall(r'<div class="doc-signature[^"]*">(.*?)</div>', page, re.S)]
+    for table in re.findall(r"<table>(.*?)</table>", page, re.S):
+        if "<th>Default</th>" in table:
+            for row in re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.S):
+                cells = re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)
+                shown += [plain_text(cells[-1])] if cells else []
+    return shown
+
+
+def constant_defaults() -> set[str]:
+    """The source text of every parameter default in the package that names a module-level constant
+    (``MUON_CLASS.lr``, ``PAIRED_ADAMW.betas``, ``DEFAULT_CHUNK_ELEMENTS``): what a reader must not see."""
+    found = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.arguments):
+                for default in [*node.defaults, *node.kw_defaults]:
+                    root = default
+                    while isinstance(root, ast.Attribute):
+                        root = root.value
+                    if isinstance(root, ast.Name) and re.fullmatch(r"[A-Z][A-Z0-9_]+", root.id):
+                        found.add(ast.unparse(default))
+    return found
+
+
+def test_no_page_shows_a_constant_s_name_as_a_default(api_pages):
+    names = constant_defaults()
+    assert {"MUON_CLASS.lr", "PAIRED_MUON.lr", "PAIRED_ADAMW.betas", "DEFAULT_CHUNK_ELEMENTS"} <= names
+    shown = {name: rendered_defaults(page) for name, page in api_pages.items()}
+    assert len(shown["optimizers"]) > 20  # the signatures and tables were found at all
+    leftovers = {name: sorted({n for n in names for text in texts if re.search(rf"\b{re.escape(n)}\b", text)})
+                 for name, texts in shown.items()}
+    assert {name: found for name, found in leftovers.items() if found} == {}
+
+
+@pytest.mark.parametrize(("page", "path"), [
+    ("optimizers", "lightning_muon.optim.muon.Muon"),
+    ("optimizers", "lightning_muon.combined.muon_with_adamw.MuonWithAdamW"),
+    ("lightning", "lightning_muon.lightning.mixin.MuonMixin"),
+    ("maths", "lightning_muon.optim.zeropower_via_newtonschulz"),
+    ("attention", "lightning_muon.attention.QKClipper"),
+], ids=lambda value: value.rsplit(".", 1)[-1])
+def test_a_signature_shows_the_values_its_defaults_evaluate_to(api_pages, page, path):
+    module_path, name = path.rsplit(".", 1)
+    obj = getattr(__import__(module_path, fromlist=[name]), name)
+    expected = {p.name: repr(p.default) for p in inspect.signature(obj).parameters.values()
+                if p.default is not inspect.Parameter.empty}
+    assert signature_defaults(rendered_signature(api_pages[page], path)) == expected
+
+
+def test_muon_s_signature_shows_its_default_lr(api_pages):
+    rendered = signature_defaults(rendered_signature(api_pages["optimizers"], "lightning_muon.optim.muon.Muon"))
+    assert ast.literal_eval(rendered["lr"]) == defaults.MUON_CLASS.lr
+
+
+def literal_markers(page: str) -> list[str]:
+    """The paragraphs of a page that end in ``::``, reStructuredText's literal-block marker (Markdown prints it)."""
+    paragraphs = (plain_text(p).strip() for p in re.findall(r"<p>(.*?)</p>", page, re.S))
+    return [p for p in paragraphs if p.endswith("::")]
+
+
+def test_no_restructuredtext_literal_marker_is_left(api_pages):
+    stray = {name: literal_markers(page) for name, page in api_pages.items()}
+    assert {name: found for name, found in stray.items() if found} == {}
+    assert literal_markers("<p>For every <code>p</code> (as <code>torch</code>)::</p><p>a: b</p>") == [
+        "For every p (as torch)::"]
+
+
+def test_no_page_renders_a_private_name(api_pages):
+    """``__all__`` and ``_helpers`` stay out of the reference (the module pages filter by ``__all__``)."""
+    ids = {name: re.findall(r'<h\d id="([\w.]+)"', page) for name, page in api_pages.items()}
+    assert len(ids["groups"]) > 10
+    private = {name: [i for i in found if i.rsplit(".", 1)[-1].startswith("_")] for name, found in ids.items()}
+    assert {name: found for name, found in private.items() if found} == {}
+
+
+def test_attribute_comments_render_as_their_docs(api_pages):
+    """The ``#:`` comment above each public constant of ``groups`` is the text under its heading."""
+    source = (PACKAGE / "optim" / "groups.py").read_text().splitlines()
+    page = " ".join(plain_text(api_pages["groups"]).split())
+    for name in ("ADJUST_LR_FNS", "LAYOUTS", "DEFAULT_BATCH_BYTES", "DEFAULT_BATCH_BYTES_ACCELERATOR"):
+        line = next(i for i, text in enumerate(source) if text.startswith(f"{name} ="))
+        comment = []
+        while source[line - 1 - len(comment)].startswith("#:"):
+            comment.insert(0, source[line - 1 - len(comment)][2:].strip())
+        assert comment, name
+        assert " ".join(" ".join(comment).replace("`", "").split()) in page, name
+
+
+# ------------------------------------------------------------------ the code blocks in the docstrings
+
+
+def docstring_blocks() -> dict[str, tuple[str, str]]:
+    """Every fenced block in the package's docstrings: ``module.qualname#n`` -> (language, code)."""
+    blocks: dict[str, tuple[str, str]] = {}
+
+    def visit(node: ast.AST, qualname: str) -> None:
+        doc = ast.get_docstring(node) if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef) else None
+        fences = re.findall(r"^( *)```(\w*)\n(.*?)^\1```$", doc or "", re.M | re.S)
+        for n, (_, language, code) in enumerate(fences):
+            blocks[f"{qualname}#{n}"] = (language, textwrap.dedent(code))
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                visit(child, f"{qualname}.{child.name}")
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        visit(ast.parse(path.read_text()), ".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return blocks
+
+
+def test_docstrings_use_fences_not_restructuredtext():
+    """A docstring line ending in ``::`` is a reStructuredText literal block, which mkdocstrings (Markdown) shows
+    as a stray ``::``: examples go in an ``Examples:`` section, in a fenced block."""
+    marked = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = (ast.get_docstring(node) or "").splitlines()
+                marked += [f"{path.relative_to(ROOT)}: {line.strip()}" for line in lines if line.endswith("::")]
+    assert marked == []
+
+
+#: The Python blocks run by `test_a_docstring_example_runs`, with the names each needs: a block stands alone but
+#: for the names a reader has imported (Lightning, the class it shows) or brings (their own module).
+RUN = {
+    "lightning_muon.callbacks.monitor.MuonMonitor#0": ("MuonMonitor",),
+    "lightning_muon.callbacks.qk_clip.QKClip#0": ("QKClip", "CSVLogger"),
+    "lightning_muon.callbacks.clock.WallClock#0": ("WallClock", "CSVLogger"),
+    "lightning_muon.attention.layout.QKLayout#0": ("nn", "F", "QKLayout", "QKProjection", "record_qk"),
+    "lightning_muon.lightning.mixin#0": ("MuonMixin", "MyExistingModule"),
+}
+#: The Python blocks that only parse, and why they cannot run on their own.
+PARSE_ONLY = {
+    "lightning_muon.attention.clipper.QKClipper#0":
+        "a training loop over the reader's model, data loader and optimizer (tests/attention run the clipper)",
+}
+
+
+def test_every_python_block_in_a_docstring_is_run_or_said_why_not():
+    python = {key for key, (language, _) in docstring_blocks().items() if language == "python"}
+    assert python == set(RUN) | set(PARSE_ONLY)
+    assert not set(RUN) & set(PARSE_ONLY)
+
+
+@pytest.mark.parametrize("key", sorted(key for key, (lang, _) in docstring_blocks().items() if lang == "python"))
+def test_a_docstring_python_block_parses(key):
+    ast.parse(docstring_blocks()[key][1], filename=key)
+
+
+@pytest.mark.parametrize("key", sorted(key for key, (lang, _) in docstring_blocks().items() if lang == "yaml"))
+def test_a_docstring_yaml_block_loads_and_names_real_classes(key):
+    data = yaml.safe_load(docstring_blocks()[key][1])
+    paths = re.findall(r"'class_path': '([\w.]+)'", repr(data))
+    assert paths, key
+    for path in paths:
+        module, name = path.rsplit(".", 1)
+        assert hasattr(__import__(module, fromlist=[name]), name), path
+
+
+@pytest.mark.parametrize("key", sorted(RUN))
+def test_a_docstring_example_runs(key, monkeypatch, tmp_path):
+    import lightning as L
+    import torch.nn.functional as F
+    from lightning.pytorch.loggers import CSVLogger
+    from torch import nn
+
+    from lightning_muon import MuonMixin, MuonMonitor, QKClip, WallClock
+    from lightning_muon.attention import QKLayout, QKProjection, record_qk
+
+    class MyExistingModule(L.LightningModule):
+        pass
+
+    available = {"MuonMonitor": MuonMonitor, "QKClip": QKClip, "WallClock": WallClock, "CSVLogger": CSVLogger,
+                 "nn": nn, "F": F, "QKLayout": QKLayout, "QKProjection": QKProjection, "record_qk": record_qk,
+                 "MuonMixin": MuonMixin, "MyExistingModule": MyExistingModule}
+    monkeypatch.chdir(tmp_path)  # a Trainer or a logger that writes anything writes it here
+    namespace = {"L": L, **{name: available[name] for name in RUN[key]}}
+    exec(compile(docstring_blocks()[key][1], key, "exec"), namespace)
+    made = {k: v for k, v in namespace.items() if k not in available and k not in ("L", "__builtins__")}
+    assert made, f"{key} defined nothing"
 
 
 def documented() -> set[str]:
@@ -71,9 +313,10 @@ def test_text_glued_under_a_table_is_caught():
 
 
 #: The pages whose Python blocks the tests run, and how many each has: the guides' in the tests that read them
-#: (tests/test_readme.py, tests/optim/test_one_optimizer_readme.py, tests/attention/test_qk_readme.py), the
-#: ten-line example of the README and the getting-started page here.
-RUN_BY_TESTS = {"guides/plain-pytorch.md": 2, "guides/one-optimizer.md": 3, "guides/qk-clip.md": 2, "index.md": 1}
+#: (tests/test_readme.py, tests/optim/test_one_optimizer_readme.py, tests/attention/test_qk_readme.py,
+#: tests/routing/test_routing_guide.py), the ten-line example of the README and the getting-started page here.
+RUN_BY_TESTS = {"guides/plain-pytorch.md": 2, "guides/one-optimizer.md": 3, "guides/qk-clip.md": 2,
+                "guides/routing.md": 1, "index.md": 1}
 
 
 def test_every_python_block_is_run_by_a_test():

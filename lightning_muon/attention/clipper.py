@@ -1,16 +1,7 @@
 """`QKClipper`: measure every attention's per-head max logit during the forward, then QK-Clip after the update.
 
-For plain PyTorch and Fabric loops (the Lightning callback `lightning_muon.QKClip` drives the same object)::
-
-    clipper = QKClipper(model, tau=100.0)          # finds the attention modules, names nothing
-    for batch in loader:
-        with clipper.recording():                  # the training forward(s) of this update
-            loss = model(batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        stats = clipper.clip()                     # the rule, per head; then a fresh measurement
-    clipper.remove()                               # or use the clipper as a context manager
+For plain PyTorch and Fabric loops (the Lightning callback `lightning_muon.QKClip` drives the same object): the
+loop is `QKClipper`'s example.
 
 Under ``torch.distributed`` every rank's maxima are all-reduced (max) before the clip, so all ranks scale their
 replicas by the same factors.
@@ -82,6 +73,21 @@ class QKClipper:
         UnsupportedAttentionError: attention whose q/k cannot be found, or QK-norm attention with a ``tau``
             (scaling the projection cannot lower normalised logits).
         ValueError: a bad ``tau``, or a model without attention.
+
+    Examples:
+        In a plain PyTorch or Fabric loop:
+
+        ```python
+        clipper = QKClipper(model, tau=100.0)  # finds the attention modules itself
+        for batch in loader:
+            with clipper.recording():  # the training forward(s) of this update
+                loss = model(batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            stats = clipper.clip()  # the rule, per head; then a fresh measurement
+        clipper.remove()  # or use the clipper as a context manager
+        ```
     """
 
     def __init__(

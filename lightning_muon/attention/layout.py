@@ -7,17 +7,8 @@ too. Query head ``h`` reads key head ``h // (num_heads // num_kv_heads)`` (group
 groups, as transformers and litgpt lay them out).
 
 The adapter, for an attention the package does not know: give the module a ``qk_layout()`` method returning its
-`QKLayout`, and call `record_qk` in its ``forward`` with the q and k its attention actually uses::
-
-    class MyAttention(nn.Module):
-        def qk_layout(self) -> QKLayout:
-            return QKLayout(query=QKProjection(self.wq.weight), key=QKProjection(self.wk.weight),
-                            num_heads=self.heads, num_kv_heads=self.kv_heads, head_dim=self.head_dim)
-
-        def forward(self, x):
-            q, k, v = ...                                   # (batch, heads, T, head_dim), RoPE applied
-            record_qk(self, q, k, scale=self.head_dim ** -0.5, causal=True)   # a no-op unless measured
-            return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+`QKLayout`, and call `record_qk` in its ``forward`` with the q and k its attention actually uses (`QKLayout`'s
+example).
 """
 
 from __future__ import annotations
@@ -72,7 +63,30 @@ class QKLayout:
         num_kv_heads: key heads (divides ``num_heads``; equal to it without GQA).
         head_dim: features per head.
         qk_norm: q and k are normalised after the projection (QK-norm): the logits can be measured, but scaling
-            the projection cannot lower them, so `qk_clip` refuses to clip such a layout.
+            the projection cannot lower them, so `qk_clip_` refuses to clip such a layout.
+
+    Examples:
+        The adapter, for an attention the package does not know: a ``qk_layout()`` method returning its
+        `QKLayout`, and `record_qk` in its ``forward`` with the q and k its attention actually uses.
+
+        ```python
+        class MyAttention(nn.Module):
+            def qk_layout(self) -> QKLayout:
+                return QKLayout(
+                    query=QKProjection(self.wq.weight),
+                    key=QKProjection(self.wk.weight),
+                    num_heads=self.heads,
+                    num_kv_heads=self.kv_heads,
+                    head_dim=self.head_dim,
+                )
+
+            def forward(self, x):
+                q, k, v = ...  # (batch, heads, T, head_dim), RoPE applied
+                # a no-op unless the clipper measures this module:
+                record_qk(self, q, k, scale=self.head_dim ** -0.5, causal=True)
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return self.out(y.transpose(1, 2).flatten(2))
+        ```
     """
 
     query: QKProjection

@@ -74,12 +74,17 @@ class WallClock(Callback):
             trainer's ``log_every_n_steps``); rows are also written before
             each validation and at the end of training.
 
-    Example::
-
+    Examples:
+        ```python
         trainer = L.Trainer(callbacks=[WallClock()], logger=CSVLogger("logs"))
         # metrics.csv gains time/elapsed_s, time/train_s, time/samples (and time/tokens)
+        ```
 
-    or, from the command line, ``lightning-muon fit --config C --trainer.callbacks+=lightning_muon.WallClock``.
+        or, from the command line:
+
+        ```bash
+        lightning-muon fit --config C --trainer.callbacks+=lightning_muon.WallClock
+        ```
     """
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:

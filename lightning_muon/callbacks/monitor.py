@@ -120,9 +120,10 @@ class MuonMonitor(Callback):
             that moves on each time, so all are covered over time); ``None``
             diagnoses every Muon matrix.
 
-    Example::
-
+    Examples:
+        ```python
         trainer = L.Trainer(callbacks=[MuonMonitor(log_every_n_steps=10)])
+        ```
     """
 
     def __init__(

@@ -53,9 +53,10 @@ class QKClip(Callback):
     optimizer under automatic optimization, on one process, DDP and Lightning's ``ModelParallelStrategy``
     (FSDP2, tensor parallelism: the maxima are all-reduced, sharded weights clipped shard by shard).
 
-    Example::
-
+    Examples:
+        ```python
         trainer = L.Trainer(callbacks=[QKClip(tau=100.0)], logger=CSVLogger("logs"))
+        ```
     """
 
     def __init__(

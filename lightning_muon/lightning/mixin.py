@@ -4,8 +4,10 @@ Two optimizers in Lightning 2.x mean manual optimization, which switches off
 gradient accumulation, clipping, AMP loss-scaling bookkeeping, scheduler
 stepping and a correct ``global_step``. The mixin puts all of that back:
 
-    class MyModel(MuonMixin, MyExistingModule):   # mixin FIRST
-        pass                                       # training_step returns the loss
+```python
+class MyModel(MuonMixin, MyExistingModule):   # mixin FIRST
+    pass                                       # training_step returns the loss
+```
 
 It wraps the parent's ``training_step`` and, from the loss it returns, does:
 backward (loss / N); gradient accumulation over N micro-batches (no DDP
@@ -73,8 +75,8 @@ class MuonMixin(_LightningModuleBase):
     Args:
         muon: factory of the Muon optimizer, called with the routed param
             groups (default: `lightning_muon.Muon` with lr 0.02, momentum
-            0.95, weight decay 0.01; ``torch.optim.Muon`` works too, its
-            >2D tensors then go to AdamW). ``None`` puts every parameter on
+            0.95, weight decay 0.01; ``torch.optim.Muon`` works too, its tensors
+            of more than 2 dimensions then go to AdamW). ``None`` puts every parameter on
             AdamW with the same training loop: the baseline for A/B runs.
         adamw: factory of the optimizer for everything else (default:
             ``torch.optim.AdamW`` with lr 3e-4, betas (0.9, 0.95), weight decay

@@ -55,8 +55,11 @@ class ParamDiagnostics(NamedTuple):
     does not force a device sync until they are used.
     """
 
+    #: The parameter's name (`param_name`: its ``param_names`` entry, else ``<group name>.<index>``).
     name: str
+    #: The parameter's own shape (a conv kernel's or a stack's whole shape, not the matrices').
     shape: tuple[int, ...]
+    #: The learning rate the step applied to it: its group's ``lr`` after `adjust_lr`.
     effective_lr: float
     #: ``||O O^T - I_r||_F / sqrt(r)`` of the orthogonalised update ``O``.
     orthogonality_error: Tensor

@@ -133,27 +133,29 @@ class Muon(Optimizer):
     """Muon: SGD-momentum whose update is orthogonalised by Newton-Schulz iterations.
 
     For every parameter ``p`` with gradient ``g`` and momentum buffer ``B``
-    (exactly as ``torch.optim.Muon``)::
+    (exactly as ``torch.optim.Muon``):
 
-        B <- momentum * B + (1 - momentum) * g          (B.lerp_(g, 1 - momentum))
-        U <- (1 - momentum) * g + momentum * B  if nesterov else B
-        O <- NewtonSchulz(U viewed as shape[0] x prod(shape[1:]))
-        p <- p * (1 - lr * weight_decay)
-        p <- p - adjust_lr(lr, adjust_lr_fn, p.shape) * O
+    ```text
+    B <- momentum * B + (1 - momentum) * g          (B.lerp_(g, 1 - momentum))
+    U <- (1 - momentum) * g + momentum * B  if nesterov else B
+    O <- NewtonSchulz(U viewed as shape[0] x prod(shape[1:]))
+    p <- p * (1 - lr * weight_decay)
+    p <- p - adjust_lr(lr, adjust_lr_fn, p.shape) * O
+    ```
 
     Args:
         params: parameters, ``named_parameters()`` or param groups (extra keys
             such as ``name`` are kept). Every parameter needs at least 2 dimensions.
-        lr: learning rate (default: 1e-3).
-        weight_decay: decoupled weight decay, applied with the unadjusted lr (default: 0.1).
-        momentum: momentum factor (default: 0.95).
-        nesterov: use Nesterov momentum (default: True).
+        lr: learning rate.
+        weight_decay: decoupled weight decay, applied with the unadjusted lr.
+        momentum: momentum factor.
+        nesterov: use Nesterov momentum.
         ns_coefficients: ``(a, b, c)`` of the quintic (default: Keller Jordan's), or ``"polar_express"``
             (Amsel et al. 2025: per-iteration coefficients, singular values much closer to 1).
-        eps: floor of the norm that normalises each matrix (default: 1e-7).
-        ns_steps: Newton-Schulz iterations (default: 5).
+        eps: floor of the norm that normalises each matrix.
+        ns_steps: Newton-Schulz iterations.
         adjust_lr_fn: shape scaling of the lr, see `adjust_lr`: ``None``/``"original"``,
-            ``"match_rms_adamw"``, ``"spectral"`` or ``"none"`` (default: None).
+            ``"match_rms_adamw"``, ``"spectral"`` or ``"none"``.
         ns_dtype: compute dtype of Newton-Schulz (default: ``torch.bfloat16``, as torch; ``torch.float32``
             where bf16 matmuls are slow); a name such as ``"float32"`` is accepted too.
         ns_batch_bytes: most bytes (in ``ns_dtype``) of one batched Newton-Schulz call over same-shape
@@ -161,7 +163,8 @@ class Muon(Optimizer):
             Default ``None``: 1 MiB on CPU, 256 MiB on accelerators.
         ns_gram_aspect: matrices at least this many times longer than wide use Gram Newton-Schulz
             (the same iteration on the small Gram matrix, fewer FLOPs); ``None``: never; never on the
-            exact path (``ns_batch_bytes=0``). Default `DEFAULT_GRAM_ASPECT`, where it measured faster.
+            exact path (``ns_batch_bytes=0``). The default (``DEFAULT_GRAM_ASPECT``) is the aspect from
+            which it measured faster.
         split_ns: under DDP (an initialised process group of several ranks and plain, replicated
             parameters) each rank orthogonalises a share of the matrices, balanced by FLOPs, and the
             results are all-gathered (one copy of the updates in ``ns_dtype``); every rank still keeps
@@ -178,7 +181,7 @@ class Muon(Optimizer):
         device_mesh: the mesh every DTensor parameter must live on, for FSDP2's owner ranks (1-D mesh),
             HSDP's (2-D: replicate, then shard) or FSDP2 over tensor parallelism's (2-D, sharded on both);
             default: the mesh the parameters share.
-        exchange_round_bytes: most bytes of one FSDP2 exchange buffer per rank (default 64 MiB).
+        exchange_round_bytes: most bytes of one FSDP2 exchange buffer per rank (the default is 64 MiB).
     """
 
     #: Which parameters the next step diagnoses (`record_diagnostics`; ``None``: none).

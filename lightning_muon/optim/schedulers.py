@@ -28,11 +28,14 @@ class WarmupCosine(LambdaLR):
             (with a warning), so an extended run does not train at the final lr.
         min_lr_ratio: the final lr as a fraction of the base lr.
 
-    In YAML (applied to both optimizers)::
+    Examples:
+        `MuonMixin`'s ``lr_scheduler``, among the model's ``init_args`` in a config (applied to both optimizers):
 
+        ```yaml
         lr_scheduler:
           class_path: lightning_muon.WarmupCosine
           init_args: {warmup_steps: 100}
+        ```
     """
 
     def __init__(

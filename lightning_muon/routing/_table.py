@@ -33,10 +33,11 @@ def _cells(routes: Sequence[Route], roles_from: str,
             lr = effective_lr(r)
             row.append("" if lr is None else f"{lr:.3g}")
         rows.append(row)
+    counts = {opt: (sum(r.optimizer == opt for r in routes), sum(r.numel for r in routes if r.optimizer == opt))
+              for opt in Algorithm}
     totals = "; ".join(
-        f"{opt}: {sum(r.optimizer == opt for r in routes)} tensors, "
-        f"{sum(r.numel for r in routes if r.optimizer == opt):,} parameters"
-        for opt in Algorithm
+        f"{opt}: {tensors} tensor{'' if tensors == 1 else 's'}, {numel:,} parameter{'' if numel == 1 else 's'}"
+        for opt, (tensors, numel) in counts.items()
     )
     return header, rows, f"Output heads and input layers: from {roles_from}.\n{totals}"
 
