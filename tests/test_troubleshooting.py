@@ -71,6 +71,8 @@ RELAYS = {
     "commands/compare/run.py: str(error)": None,
     # side_grid's and the read-back's ValueErrors (load_side, outcomes, baseline_index), "lightning-muon compare: "
     "commands/compare/tuned.py: f'lightning-muon compare: {error}'": None,
+    # the plain path's read-back (load_run's FileNotFoundError, baseline_index's ValueError), the same way
+    "commands/compare/run.py: f'lightning-muon compare: {error}'": None,
     # consolidate's ValueError (not a ModelParallelStrategy checkpoint directory), as an argparse error
     "commands/convert.py: str(error)": None,
     # not_found's line

@@ -41,8 +41,8 @@ __all__ = ["AttentionSite", "UnsupportedAttentionError", "find_attention"]
 
 ADAPTER_HINT = (
     "give the module a qk_layout() method returning a lightning_muon.attention.QKLayout and call "
-    "lightning_muon.attention.record_qk(self, q, k, scale=..., causal=...) in its forward (the README's QK-Clip "
-    "section), or leave it out with exclude=[<name pattern>]"
+    "lightning_muon.attention.record_qk(self, q, k, scale=..., causal=...) in its forward (the QK-Clip guide, "
+    "docs/guides/qk-clip.md, \"Your own attention\"), or leave it out with exclude=[<name pattern>]"
 )
 
 

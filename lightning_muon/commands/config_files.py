@@ -120,7 +120,9 @@ def config_chain(path: str | os.PathLike, _seen: tuple[Path, ...] = (), notes: l
     """
     path = resolve_config(path, notes) if not _seen else Path(path)
     if path.resolve() in _seen:
-        raise ValueError(f"config {path} extends itself through {' -> '.join(map(str, _seen))}")
+        loop = " -> ".join(map(str, (*_seen, path.resolve())))
+        raise SystemExit(f"lightning-muon: config {path} extends itself through {loop}: remove the # extends: line "
+                         "that closes the loop")
     try:
         text = path.read_text()
     except FileNotFoundError:

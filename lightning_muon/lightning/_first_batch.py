@@ -141,8 +141,16 @@ def correct_optimizers(trainer: pl.Trainer, routing: Routing, config: MuonConfig
     # their parameters, while the optimizers must keep the sharded ones they were built with.
     held = {n: p for o in optimizers for g in o.param_groups
             for n, p in zip(g["param_names"], g["params"], strict=True)}
-    if set(held) != {r.name for r in routing.routes}:
-        raise RuntimeError("lightning_muon: the optimizers hold other parameters than the routing names")
+    routed = {r.name for r in routing.routes}
+    if set(held) != routed:
+        raise MisconfigurationException(
+            "The trainable parameters changed between building the optimizers and the first training batch: "
+            f"now trainable but in no optimizer: {sorted(routed - set(held))[:10]}; in an optimizer but now frozen: "
+            f"{sorted(set(held) - routed)[:10]}. A hook or callback froze or unfroze them in between. Freeze before "
+            "the optimizers are built (in __init__, configure_model or a callback's setup, where "
+            "BaseFinetuning.freeze_before_training runs), and unfreeze during the fit with a finetuning callback "
+            "(BaseFinetuning.unfreeze_and_add_param_group), which adds them to the optimizers."
+        )
     wanted = groups_for(routing, optimizers, algorithms, placeholders)
     groups = {a: [{**g, "params": [(n, held[n]) for n, _ in g["params"]]} for g in wanted[a]] for a in (MUON, ADAMW)}
     for algorithm in (MUON, ADAMW):

@@ -170,7 +170,7 @@ def test_extends_puts_the_base_first(tmp_path):
     (tmp_path / "top.yaml").write_text("# a comment\n# extends: mid.yaml\nseed_everything: 2\n")
     assert config_chain(tmp_path / "top.yaml") == [tmp_path / "base.yaml", tmp_path / "mid.yaml", tmp_path / "top.yaml"]
     (tmp_path / "loop.yaml").write_text("# extends: loop.yaml\n")
-    with pytest.raises(ValueError, match="extends itself"):
+    with pytest.raises(SystemExit, match=r"lightning-muon: config .*loop.yaml extends itself through .*loop.yaml"):
         config_chain(tmp_path / "loop.yaml")
 
 

@@ -549,3 +549,23 @@ def test_compare_sweep_end_to_end_then_from_logs(tmp_path, monkeypatch, capsys):
     main(["compare", "--from-logs", str(logs / "tiny_muon"), str(logs / "tiny_adamw"), "--out", str(again)])
     table = report.split("\n\nBaseline:")[0]
     assert (again / "comparison.md").read_text().split("\n\nBaseline:")[0] == table
+
+
+def test_compare_from_logs_says_what_is_wrong_in_one_line(tmp_path, capsys):
+    """A missing directory stops before any fit (argparse's usage error); logs without metrics and a --baseline
+    that names none of the runs end in one line naming the fix, not a traceback."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--from-logs", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert f"--from-logs: no directory '{tmp_path / 'nowhere'}'" in capsys.readouterr().err
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match=r"^lightning-muon compare: no metrics.csv in .*empty"):
+        main(["compare", "--from-logs", str(tmp_path / "empty"), "--out", str(tmp_path / "out")])
+
+    for name, loss in (("muon", 1.5), ("adamw", 2.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.csv").write_text(f"epoch,step,val_loss\n0,9,{loss}\n")
+    with pytest.raises(SystemExit, match=r"^lightning-muon compare: --baseline 'sgd' is none of the runs: muon, adamw"):
+        main(["compare", "--from-logs", str(tmp_path / "muon"), str(tmp_path / "adamw"), "--baseline", "sgd",
+              "--out", str(tmp_path / "out")])

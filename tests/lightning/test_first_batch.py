@@ -277,3 +277,18 @@ def test_a_checkpoint_naming_the_roles_graph_resumes_with_them(tmp_path):
     final = two_epochs(tmp_path / "resumed", resumed, ckpt_path=tmp_path / "old.ckpt")
     assert groups(resumed) == GROUPS
     assert same(final, straight)
+
+
+class FreezeOneAtTrainStart(L.Callback):
+    """Freezes a trainable matrix after the optimizers are built and before the first batch: the wrong place."""
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.hidden.weight.requires_grad_(False)
+
+
+def test_a_parameter_frozen_between_the_optimizers_and_the_first_batch_is_named(tmp_path):
+    trainer = make_trainer(tmp_path, max_steps=2, callbacks=[FreezeOneAtTrainStart()])
+    with pytest.raises(L.pytorch.utilities.exceptions.MisconfigurationException) as error:
+        trainer.fit(MuonParallelHeads())
+    assert "in an optimizer but now frozen: ['hidden.weight']" in str(error.value)
+    assert "unfreeze_and_add_param_group" in str(error.value)

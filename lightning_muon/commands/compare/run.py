@@ -167,7 +167,11 @@ def main(argv: Sequence[str] | None = None) -> list[Row] | list[Outcome]:
         return run_tuned(args, _unique_names(args.configs), overrides, argv, console)[1]
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     runs, fit_lines = fit_all(args, overrides, out / "lightning_logs", console)  # a name .gitignore usually ignores
-    runs = uniquely_named([*runs, *(load_run(log_dir) for log_dir in args.from_logs)])
+    try:
+        runs = uniquely_named([*runs, *(load_run(log_dir) for log_dir in args.from_logs)])
+        baseline_index(runs, args.baseline)  # a --baseline that names none of them stops here, not in the report
+    except (ValueError, FileNotFoundError) as error:  # logs without metrics.csv, ...
+        raise SystemExit(f"lightning-muon compare: {error}") from None
     for run in runs:
         if not run.val_loss:
             console.print(f"compare: {run.name} logged no {VAL_LOSS} ({run.source})")
@@ -185,6 +189,9 @@ def _checked_arguments(own: list[str]) -> argparse.Namespace:
     args = parser.parse_args(own)
     if not args.configs and not args.from_logs:
         parser.error("give at least one CONFIG to fit, or --from-logs DIR")
+    missing = [log_dir for log_dir in args.from_logs if not Path(log_dir).is_dir()]
+    if missing:  # before any fit runs
+        parser.error(f"--from-logs: no directory {', '.join(map(repr, missing))}")
     if args.val_points < 1 or (args.max_steps is not None and args.max_steps < 1):
         parser.error("--val_points and --max_steps must be >= 1")
     try:
