@@ -2,10 +2,11 @@
 
 Per micro-batch: take the loss from the parent's ``training_step``, backward
 ``loss / N`` (no gradient sync unless it ends an update). On the last
-micro-batch, one update over every optimizer: unscale (16-mixed),
-``on_before_optimizer_step`` hooks, one global gradient-norm clip, a non-finite
-check that skips every optimizer, the steps, one scaler update, the scheduler
-steps, zero grads. ``trainer.global_step`` advances once per update.
+micro-batch, one update over every optimizer: the gradients DDP does not
+reduce averaged (`_unsynced`), unscale (16-mixed), ``on_before_optimizer_step``
+hooks, one global gradient-norm clip, a non-finite check that skips every
+optimizer, the steps, one scaler update, the scheduler steps, zero grads.
+``trainer.global_step`` advances once per update.
 
 The loop also steps the schedulers where Lightning's automatic loop would, and
 guards what it owns: a backward that is not its own (from ``training_step``, a
@@ -33,6 +34,7 @@ from torch.optim import Optimizer
 
 from lightning_muon.lightning import _compat, _health, _unfreezing
 from lightning_muon.lightning._checks import by_hand
+from lightning_muon.lightning._unsynced import UnsyncedGradients
 from lightning_muon.optim import _norms as norms
 
 if TYPE_CHECKING:
@@ -165,6 +167,8 @@ class UpdateLoop:
         self._plateau_pending: int | None = None
         #: The parameters' gradient hooks of `guard_steps` (removed when a later fit guards its optimizers).
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        #: The gradients DDP will not reduce in this fit (parameters frozen when it wrapped the model).
+        self._unsynced = UnsyncedGradients()
 
     @property
     def in_training_step(self) -> bool:
@@ -179,6 +183,13 @@ class UpdateLoop:
         if not self._own_backward:
             where = "training_step" if self._in_training_step else "a hook or callback outside training_step"
             raise by_hand(module, f"{where} {call}")
+
+    def optimizers_built(self, module: LightningModule, optimizers: Iterable[Optimizer]) -> None:
+        """From ``configure_optimizers``, which Lightning's DDP strategy calls right after wrapping the model: guard
+        the optimizers' steps (`guard_steps`), and note what DDP will not reduce (`UnsyncedGradients`)."""
+        self.guard_steps(module, optimizers)
+        trainer = _compat.attached_trainer(module)
+        self._unsynced = UnsyncedGradients.at_wrap(trainer.strategy.model if trainer else None, module)
 
     def guard_steps(self, module: LightningModule, optimizers: Iterable[Optimizer]) -> None:
         """Inside the parent's ``training_step``, where the loop owns the update, make a step of any of
@@ -317,6 +328,7 @@ class UpdateLoop:
             lightning_optimizers = [lightning_optimizers]
         optimizers = [o.optimizer for o in lightning_optimizers]
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._unsynced.average(p for o in optimizers for g in o.param_groups for p in g["params"])
         with _compat.one_optimizer_step(lightning_optimizers[0]):
             if scaler is not None:
                 for optimizer in optimizers:

@@ -192,7 +192,7 @@ class MuonMixin(_LightningModuleBase):
         config = self._optimizer_config()
         built, schedulers = build_optimizers(self, self.muon_routing(), config, self._muon_fit)
         optimizers = list(built.values())
-        self._muon_loop.guard_steps(self, optimizers)
+        self._muon_loop.optimizers_built(self, optimizers)
         if self._muon_fit is not None:
             self._muon_fit.configure_optimizers(config, built, schedulers, self.muon_routing)
         return (optimizers, schedulers) if config.lr_scheduler_factory is not None else optimizers
