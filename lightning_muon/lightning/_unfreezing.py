@@ -7,10 +7,11 @@ that would put every unfrozen tensor, norms and biases included, into whichever 
 each of the fit's optimizers route what it is offered by the same rules as at the start (matrices to Muon, the
 rest to AdamW, the first batch's roles applied): one new group per optimizer (named ``unfrozen_<n>``, fresh state)
 at the same fraction of that optimizer's learning rate as the callback asked of the one it offered the group to
-(exactly the lr asked, for that one). An optimizer that gets none of the tensors still gets its ``unfrozen_<n>``
-group, empty: every optimizer's last group is then the one just added, which is where ``BackboneFinetuning``
-sets the backbone's lr in the epochs after. What another optimizer already holds is skipped, so offering the same
-modules to both adds them once.
+(exactly the lr asked, for that one); the group's other settings go to the optimizers that have them
+(``weight_decay`` to both, ``betas`` to AdamW's part). An optimizer that gets none of the tensors still gets its
+``unfrozen_<n>`` group, empty: every optimizer's last group is then the one just added, which is where
+``BackboneFinetuning`` sets the backbone's lr in the epochs after. What another optimizer already holds is skipped,
+so offering the same modules to both adds them once.
 
 With a finetuning callback in the fit, both optimizers are built even where the start routes nothing to one of
 them (a frozen backbone under a linear head: no matrix trains at first): that one holds an empty group
@@ -84,6 +85,19 @@ def unfrozen_group(routing: Routing, algorithm: str, lr: float, name: str) -> di
             layout for g in groups for layout in g.get("matrix_layouts", ["flatten"] * len(g["params"]))
         ]
     return group
+
+
+#: The keys of an offered group that the routing decides itself (the lr is scaled per optimizer).
+_ROUTED_KEYS = {"params", "lr", "name", "param_names", "matrix_layouts"}
+
+
+def _settings_for(optimizer: Optimizer, offered: dict[str, Any], optimizers: Iterable[Optimizer]) -> dict[str, Any]:
+    """The other settings of an ``offered`` group (``weight_decay``, ``betas``, ...) that ``optimizer``'s part of it
+    keeps: those ``optimizer`` has (both take ``weight_decay``; only AdamW ``betas``, only Muon ``momentum``), and
+    those no optimizer of the fit has (kept in the group, as torch keeps them)."""
+    known = set().union(*(o.defaults for o in optimizers))
+    return {key: value for key, value in offered.items()
+            if key not in _ROUTED_KEYS and (key in optimizer.defaults or key not in known)}
 
 
 def added_groups(optimizers: Iterable[Optimizer]) -> list[tuple[str, list[str]]]:
@@ -165,7 +179,8 @@ def route_added_groups(optimizers: dict[str, Optimizer], routing: Callable[[], R
             for algorithm, optimizer in optimizers.items():
                 lr = asked if optimizer is given else ratio * _lr(optimizer)
                 mine = Routing([r for r in routes if r.optimizer == algorithm], now.params)
-                add[algorithm](unfrozen_group(mine, algorithm, lr, name))
+                add[algorithm]({**unfrozen_group(mine, algorithm, lr, name),
+                                **_settings_for(optimizer, group, optimizers.values())})
 
         return add_param_group
 

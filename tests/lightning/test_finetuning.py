@@ -13,7 +13,7 @@ import functools
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 
 from lightning_muon import MuonMixin, MuonMonitor, WarmupCosine
 
@@ -429,3 +429,32 @@ def test_backbone_finetuning_settings_that_cannot_hold_for_two_optimizers_are_re
     # the AdamW baseline takes it as it is
     make_trainer(tmp_path, max_epochs=2, callbacks=[L.pytorch.callbacks.BackboneFinetuning(**callback)]).fit(
         module_class(muon=None))
+
+
+def test_an_added_groups_other_settings_go_to_the_optimizers_that_have_them(tmp_path):
+    """A group offered with its own weight decay and betas: both optimizers' parts keep the weight decay, AdamW's
+    the betas (Muon has none), and a key no optimizer knows stays in both groups, as torch keeps it."""
+    module_class, _ = finetuning_classes(L.pytorch)
+
+    class UnfreezeWithSettings(BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.backbone)
+
+        def finetune_function(self, pl_module, current_epoch, optimizer):
+            if current_epoch == 1:
+                self.make_trainable(pl_module.backbone)
+                optimizer.add_param_group({"params": list(pl_module.backbone.parameters()), "lr": 1e-3,
+                                           "weight_decay": 0.0, "betas": (0.5, 0.6), "note": "backbone"})
+
+    model = module_class()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[UnfreezeWithSettings()])
+    trainer.fit(model)
+    muon, adamw = (o.optimizer for o in model.optimizers())
+    (muon_added,) = (g for g in muon.param_groups if g["name"] == "unfrozen_1")
+    (adamw_added,) = (g for g in adamw.param_groups if g["name"] == "unfrozen_1")
+    assert muon_added["param_names"] == ["backbone.3.weight"] and len(adamw_added["param_names"]) == 5
+    assert muon_added["weight_decay"] == 0.0 and adamw_added["weight_decay"] == 0.0  # not the optimizers' defaults
+    assert adamw_added["betas"] == (0.5, 0.6) and "betas" not in muon_added
+    assert muon_added["note"] == adamw_added["note"] == "backbone"
+    assert muon.defaults["weight_decay"] != 0.0 and adamw.defaults["betas"] != (0.5, 0.6)  # the test can fail
