@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DistributedSampler
 
 from lightning_muon import MuonMixin
 
@@ -54,6 +55,42 @@ class WithBackbone(L.LightningModule):
 
     def train_dataloader(self):
         return sine_regression_loader(self.trainer, samples=32, batch_size=self.batch_size)
+
+
+class LlamaWithBackbone(L.LightningModule):
+    """A tiny random-init transformers Llama: its ``LlamaModel`` (embedding, blocks, final norm) is the ``backbone``,
+    its ``lm_head`` the ``head``; 32 sequences of 16 tokens, sharded as `sine_regression_loader` shards (rank r takes
+    r, r + W, ...), so 2 ranks' batches of 4 are one process's batch of 8."""
+
+    def __init__(self, batch_size: int = 4) -> None:
+        super().__init__()
+        import transformers
+
+        self.batch_size = batch_size
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16,
+        )
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            lm = transformers.LlamaForCausalLM(config)
+        self.backbone, self.head = lm.model, lm.lm_head
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self.head(self.backbone(input_ids=tokens).last_hidden_state)
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), tokens[:, 1:].reshape(-1))
+
+    def train_dataloader(self):
+        tokens = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
+        data = torch.utils.data.TensorDataset(tokens)
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+
+
+class MuonLlamaWithBackbone(MuonMixin, LlamaWithBackbone):
+    """A third-party model under the mixin."""
 
 
 class MuonWithBackbone(MuonMixin, WithBackbone):
@@ -142,6 +179,7 @@ CASES = [
     pytest.param("adamw", "BackboneFinetuning", id="mixin-adamw-BackboneFinetuning"),
     # clipping by the global norm: every rank must clip by the same norm, so the late gradients are averaged first
     pytest.param("muon-clipped", "BackboneFinetuning", id="mixin-muon-clipped-BackboneFinetuning"),
+    pytest.param("muon-llama", "BackboneFinetuning", id="mixin-muon-transformers-llama-BackboneFinetuning"),
     pytest.param("automatic", "BackboneFinetuning", marks=DIVERGES, id="automatic-BackboneFinetuning"),
 ]
 
@@ -152,6 +190,8 @@ def test_a_backbone_unfrozen_during_a_ddp_fit_stays_equal_on_every_rank(tmp_path
     def build(batch_size: int = 4) -> L.LightningModule:
         if optimization == "automatic":
             return AutomaticWithBackbone(batch_size=batch_size)
+        if optimization == "muon-llama":
+            return MuonLlamaWithBackbone(muon=muon_factory(), batch_size=batch_size)
         clip = {"gradient_clip_val": 1e-3} if optimization == "muon-clipped" else {}
         return MuonWithBackbone(muon=None if optimization == "adamw" else muon_factory(), batch_size=batch_size,
                                 **clip)
