@@ -25,6 +25,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_muon.optim._collectives import any_rank
+
 
 class UnsyncedGradients:
     """The parameters DDP left out of its all-reduce because they were frozen when it wrapped the model.
@@ -54,6 +56,8 @@ class UnsyncedGradients:
         """Average across the ranks the gradients of those of ``params`` (every rank passes the same, in the same
         order) that DDP does not reduce; a parameter without a gradient on some ranks counts zeros there, and keeps
         none where no rank has one."""
+        if not self.frozen:  # not under DDP, or nothing was frozen at the wrap: every update of most fits
+            return
         late = [p for p in params if id(p) in self.frozen]
         if not late:
             return
@@ -65,11 +69,10 @@ class UnsyncedGradients:
                 f"{' and more' if len(names) > 5 else ''})."
             )
             self._said = True
-        has = torch.tensor([p.grad is not None for p in late], dtype=torch.uint8, device=late[0].device)
-        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=self.group)
+        has = any_rank([p.grad is not None for p in late], late[0].device, self.group)
         grads: list[Tensor] = []
-        for p, any_rank in zip(late, has.tolist(), strict=True):
-            if any_rank:
+        for p, on_some_rank in zip(late, has, strict=True):
+            if on_some_rank:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
