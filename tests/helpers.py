@@ -64,6 +64,20 @@ def read_metrics(directory: Path | str) -> list[dict[str, str]]:
 # ------------------------------------------------------------------ the toy models
 
 
+def tiny_llama() -> nn.Module:
+    """A random-init transformers ``LlamaForCausalLM`` small enough for a test (vocabulary 64, width 32, 2 layers,
+    4 query / 2 key heads, 16 positions), the same weights every time (seed 0, the global generator untouched)."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(config)
+
+
 def sine_regression_loader(trainer: L.Trainer, samples: int, batch_size: int) -> DataLoader:
     """``samples`` fixed inputs of width 8 with target ``sin(sum(x))``, sharded without shuffling under DDP:
     rank r takes samples r, r + W, ..., so W ranks' batches of B / W together are one process's batch of B."""

@@ -29,7 +29,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_muon import MuonMixin
 
-from helpers import ADAMW, EndProcessGroup, ForkedDDP, muon_factory, sine_regression_loader
+from helpers import ADAMW, EndProcessGroup, ForkedDDP, muon_factory, sine_regression_loader, tiny_llama
 
 
 class RanksDiverged(AssertionError):
@@ -64,16 +64,8 @@ class LlamaWithBackbone(L.LightningModule):
 
     def __init__(self, batch_size: int = 4) -> None:
         super().__init__()
-        import transformers
-
         self.batch_size = batch_size
-        config = transformers.LlamaConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=16,
-        )
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            lm = transformers.LlamaForCausalLM(config)
+        lm = tiny_llama()
         self.backbone, self.head = lm.model, lm.lm_head
 
     def training_step(self, batch, batch_idx):

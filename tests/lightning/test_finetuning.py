@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 
 from lightning_muon import MuonMixin, MuonMonitor, WarmupCosine
 
-from helpers import MuonRegression, make_trainer, raw_optimizers, read_metrics, same, snapshot
+from helpers import MuonRegression, make_trainer, raw_optimizers, read_metrics, same, snapshot, tiny_llama
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -29,14 +29,9 @@ class LoraLM(L.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        config = transformers.LlamaConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=16,
-        )
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            base = transformers.LlamaForCausalLM(config)
-            self.model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+            self.model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
 
     def training_step(self, batch, batch_idx):
         (tokens,) = batch
