@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_muon.callbacks import MuonMonitor, QKClip, WallClock
     from lightning_muon.combined import MuonWithAdamW
-    from lightning_muon.lightning import MuonMixin, muon_subclass
+    from lightning_muon.lightning import MuonBackboneFinetuning, MuonMixin, muon_subclass
     from lightning_muon.optim import (
         Muon,
         ParamDiagnostics,
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "GraphRoles": "lightning_muon.routing",
     "Muon": "lightning_muon.optim",
+    "MuonBackboneFinetuning": "lightning_muon.lightning",
     "MuonMixin": "lightning_muon.lightning",
     "MuonMonitor": "lightning_muon.callbacks",
     "MuonWithAdamW": "lightning_muon.combined",
@@ -62,6 +63,7 @@ _EXPORTS = {
 __all__ = [
     "GraphRoles",
     "Muon",
+    "MuonBackboneFinetuning",
     "MuonMixin",
     "MuonMonitor",
     "MuonWithAdamW",

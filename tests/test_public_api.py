@@ -25,9 +25,9 @@ PACKAGE = Path(lightning_muon.__file__).parent
 #: the API: do it on purpose.
 PUBLIC = {
     "lightning_muon": [
-        "GraphRoles", "Muon", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics", "QKClip", "Routing",
-        "WallClock", "WarmupCosine", "adjust_lr", "muon_subclass", "orthogonality_error", "route_parameters",
-        "trace_roles", "zeropower_via_newtonschulz",
+        "GraphRoles", "Muon", "MuonBackboneFinetuning", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics",
+        "QKClip", "Routing", "WallClock", "WarmupCosine", "adjust_lr", "muon_subclass", "orthogonality_error",
+        "route_parameters", "trace_roles", "zeropower_via_newtonschulz",
     ],
     "lightning_muon.attention": [
         "AttentionSite", "QKClipStats", "QKClipper", "QKLayout", "QKProjection", "UnsupportedAttentionError",
@@ -44,11 +44,12 @@ PUBLIC = {
         "preview_update", "zeropower_via_newtonschulz",
     ],
     "lightning_muon.routing": [
-        "ADAMW", "Algorithm", "GraphRoles", "MUON", "Route", "Routing", "Rule", "check_pattern_list",
-        "find_output_heads", "route_parameters", "trace_roles", "trace_step",
+        "ADAMW", "Algorithm", "GraphRoles", "Group", "MUON", "Route", "Routing", "Rule", "check_pattern_list",
+        "find_output_heads", "loss_in", "route_parameters", "trace_roles", "trace_step",
     ],
     "lightning_muon.combined": ["MuonWithAdamW", "merge_state_dicts", "split_state_dict"],
-    "lightning_muon.lightning": ["MuonMixin", "muon_subclass"],
+    "lightning_muon.lightning": ["SKIPPED_STEPS_KEY", "MuonBackboneFinetuning", "MuonMixin", "consolidate",
+                                 "muon_subclass"],
     "lightning_muon.callbacks": ["MuonMonitor", "QKClip", "WallClock"],
     "lightning_muon.commands": ["main"],
     "lightning_muon.commands.compare": ["main"],

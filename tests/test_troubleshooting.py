@@ -55,7 +55,7 @@ INTERNAL = {
     # every side has an lr: check_lrs and check_multipliers refuse an empty grid, a side read back holds a run
     "commands/compare/sweep.py: no lr to choose from",
     # FitState.hold corrects the optimizers only while they hold no state
-    "lightning/_first_batch.py: lightning_muon: the routing can only be corrected before the optimizers' first step",
+    "lightning/_pair.py: lightning_muon: the routing can only be corrected before the optimizers' first step",
     # route_parameters' own invariant (one route per trainable parameter): a bug in the package, never the user's
     "routing/_rules.py: lightning_muon routed ... for the trainable parameters ...",
     # Algorithm.from_key: the package never calls it with a key of its own

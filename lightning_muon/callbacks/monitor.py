@@ -46,8 +46,7 @@ from typing_extensions import override
 from lightning_muon.callbacks._checks import check_optional_count, require_logger
 from lightning_muon.callbacks.metrics import OrthogonalityError, UpdateRMS
 from lightning_muon.combined import MuonWithAdamW
-from lightning_muon.lightning import _compat
-from lightning_muon.lightning._update_loop import SKIPPED_STEPS_KEY
+from lightning_muon.lightning import SKIPPED_STEPS_KEY, _compat
 from lightning_muon.lightning.mixin import MuonMixin
 from lightning_muon.optim import ParamDiagnostics, preview_update
 from lightning_muon.optim.groups import group_effective_lr, group_effective_lrs, lr_value

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from lightning_muon.lightning._checkpoint import consolidate
+from lightning_muon.lightning import consolidate
 
 
 def main(argv: Sequence[str]) -> None:

@@ -11,12 +11,11 @@ import argparse
 import shutil
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from lightning_muon.commands.config_files import expand_configs
 from lightning_muon.commands.lightning_cli import MuonCLI, instantiate
 from lightning_muon.lightning.mixin import MuonMixin
-from lightning_muon.routing import MUON, GraphRoles, Route, trace_roles
+from lightning_muon.routing import MUON, GraphRoles, Route, loss_in, trace_roles
 
 
 def parser() -> argparse.ArgumentParser:
@@ -95,7 +94,7 @@ def first_batch_roles(cli: MuonCLI, model: MuonMixin) -> tuple[GraphRoles | None
         model.trainer = cli.trainer  # attached, not fitting: training_step runs as a plain forward
         model.log = lambda *args, **kwargs: None  # type: ignore[method-assign]  # no loop to log to
         try:
-            roles = trace_roles(model, batch, lambda b: _loss(model.training_step(b, 0)))
+            roles = trace_roles(model, batch, lambda b: loss_in(model.training_step(b, 0)))
         finally:
             del model.log
     except Exception as error:  # inspect still prints the structural routing
@@ -103,7 +102,3 @@ def first_batch_roles(cli: MuonCLI, model: MuonMixin) -> tuple[GraphRoles | None
                       f"followed: {type(error).__name__}: {error}); a fit finds them from its first batch.")
     said = f" ({roles.note})" if roles.note else ""
     return roles, f"Output heads and input layers: from the first training batch, as a fit finds them{said}."
-
-
-def _loss(output: Any) -> Any:
-    return output["loss"] if isinstance(output, dict) else output

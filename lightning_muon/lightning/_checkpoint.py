@@ -1,5 +1,6 @@
 """Checkpoints of a `MuonMixin` fit: the routing they record and the check that a resumed model still matches
-it, errors that say what is wrong with an unreadable file, and the FSDP2-to-one-file conversion.
+it, the roles they give back (before a distributed checkpoint's optimizer states load), errors that say what is
+wrong with an unreadable file, and the FSDP2-to-one-file conversion.
 
 Optimizer states are matched to parameters by position, so resuming with a
 different routing (other patterns, another Muon class, a changed model) would
@@ -14,16 +15,16 @@ import os
 import pickle
 import tempfile
 import zipfile
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
-from torch.optim import Optimizer
 
-from lightning_muon.lightning._unfreezing import GROUP_PREFIX
+from lightning_muon.lightning._pair import saved_added_members
 from lightning_muon.routing import ADAMW, MUON, GraphRoles, Routing
 
 #: The checkpoint entry lightning_muon writes.
@@ -36,37 +37,22 @@ def optimizer_names(routing: Routing) -> dict[str, list[str]]:
     return {MUON: routing.names(MUON), ADAMW: routing.names(ADAMW)}
 
 
-def optimizer_groups(optimizers: Iterable[Optimizer]) -> list[list[list[Any]]]:
-    """What each optimizer holds, in order: ``[group name, [parameter names]]`` per group (the positions its
-    state is saved by)."""
-    return [[[g.get("name"), list(g.get("param_names", []))] for g in o.param_groups] for o in optimizers]
-
-
 def record(routing: Routing, roles: GraphRoles | None, loop_state: dict[str, int], settings: dict[str, Any],
-           optimizers: list[Optimizer] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+           pair: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a checkpoint holds under `CHECKPOINT_KEY`: each optimizer's parameter names by the routing, every
     routed parameter's shape, the first batch's roles (where one was seen), the update loop's counters, the
-    mixin's settings as plain data (``settings``, `MuonConfig.to_hparams`), the groups the optimizers really
-    hold (``optimizers``: the fit's; groups a finetuning callback added included) and the fit's ``extra``
-    (`FitState.record`)."""
+    mixin's settings as plain data (``settings``, `MuonConfig.to_hparams`), and the groups the fit's optimizers
+    really hold with the names of those added during the fit (``pair``: `OptimizerPair.record`)."""
     saved: dict[str, Any] = {
         "routing": optimizer_names(routing),
         "shapes": {r.name: list(r.shape) for r in routing.routes},
         "settings": settings,
         **loop_state,
-        **(extra or {}),
+        **(pair or {}),
     }
     if roles is not None:
         saved["roles"] = roles.to_dict()
-    if optimizers:
-        saved["groups"] = optimizer_groups(optimizers)
     return saved
-
-
-def unfrozen_names(saved: dict[str, Any]) -> set[str]:
-    """The parameters the checkpoint's optimizers held in groups a finetuning callback added during the fit."""
-    return {n for groups in saved.get("groups", []) for name, names in groups
-            if str(name).startswith(GROUP_PREFIX) for n in names}
 
 
 def check_resume(saved: dict[str, Any], routing: Routing, module: nn.Module, restores_groups: bool = False) -> None:
@@ -78,7 +64,7 @@ def check_resume(saved: dict[str, Any], routing: Routing, module: nn.Module, res
     current = optimizer_names(routing)
     named = dict(module.named_parameters())
     frozen = {n for n, p in named.items() if not p.requires_grad}
-    refrozen = frozen & unfrozen_names(saved)
+    refrozen = frozen & saved_added_members(saved)
     if refrozen and not restores_groups:
         raise MisconfigurationException(
             f"This checkpoint was saved after a finetuning callback unfroze {len(refrozen)} parameter(s) and added "
@@ -94,36 +80,6 @@ def check_resume(saved: dict[str, Any], routing: Routing, module: nn.Module, res
     check_same_model(saved, with_refrozen, shapes, frozen - refrozen)
     check_routing({**saved, "routing": {o: [n for n in saved["routing"][o] if n not in refrozen]
                                         for o in (MUON, ADAMW)}}, current)
-
-
-def check_groups(saved: dict[str, Any], optimizers: list[Optimizer], algorithms: list[str]) -> None:
-    """Refuse a resumed fit whose optimizers (``algorithms``: which each is) hold other param groups than the
-    checkpoint's optimizer states were saved with (they load by position); checkpoints without the record pass."""
-    then, now = saved.get("groups"), optimizer_groups(optimizers)
-    if then is None or then == now:
-        return
-    count = max(len(then), len(now))
-    then, now = then + [[]] * (count - len(then)), now + [[]] * (count - len(now))
-    names = [*algorithms, *(f"optimizer {i}" for i in range(len(algorithms), count))]
-    lines = [f"  {name}: {_describe(a)} in the checkpoint, {_describe(b)} now" if _describe(a) != _describe(b)
-             else f"  {name}: {_describe(a)}, with other parameters or in another order"
-             for name, a, b in zip(names, then, now, strict=False) if a != b]
-    added = sorted({str(name) for groups in then for name, _ in groups if str(name).startswith(GROUP_PREFIX)}
-                   - {str(name) for groups in now for name, _ in groups})
-    fix = (f"The checkpoint's groups {added} were added during the fit by a finetuning callback, and only that "
-           "callback gives them back: resume with the finetuning callback the checkpoint was trained with (the same "
-           "class and arguments)." if added else
-           "Resume with the callbacks the checkpoint was trained with (a BaseFinetuning callback gives back the "
-           "groups it added) and the same muon_params/adamw_params.")
-    raise MisconfigurationException(
-        "The optimizers of this resumed fit hold other param groups than the checkpoint's optimizer states were "
-        f"saved with, so the states would load into the wrong parameters:\n{first_lines(lines, 10)}\n{fix}"
-    )
-
-
-def _describe(groups: list[list[Any]]) -> str:
-    """``[hidden: 2, unfrozen_1: 1]``: each group's name and how many parameters it holds."""
-    return "[" + ", ".join(f"{name}: {len(names)}" for name, names in groups) + "]"
 
 
 def _some(names: list[str], limit: int = 5) -> str:
@@ -143,18 +99,29 @@ def routing_differences(saved: dict[str, list[str]], current: dict[str, list[str
     return differences
 
 
+class Change(str, Enum):
+    """How a trainable parameter differs between a checkpoint and the model resuming it."""
+
+    FROZEN = "frozen"
+    REMOVED = "removed"
+    ADDED = "added"
+    RESHAPED = "reshaped"
+
+
 def model_differences(saved: dict[str, Any], current: dict[str, list[str]],
-                      shapes: dict[str, tuple[int, ...]], frozen: Collection[str] = ()) -> list[str]:
-    """One line per trainable parameter added, removed, frozen (``frozen``: the model's frozen parameters) or
-    reshaped since the checkpoint was saved (shapes are compared where the checkpoint recorded them)."""
+                      shapes: dict[str, tuple[int, ...]], frozen: Collection[str] = ()) -> list[tuple[Change, str]]:
+    """One ``(change, line)`` per trainable parameter added, removed, frozen (``frozen``: the model's frozen
+    parameters) or reshaped since the checkpoint was saved (shapes are compared where the checkpoint recorded
+    them)."""
     then = set(saved["routing"][MUON]) | set(saved["routing"][ADAMW])
     now = set(current[MUON]) | set(current[ADAMW])
     saved_shapes = {name: tuple(shape) for name, shape in saved.get("shapes", {}).items()}
-    lines = [f"  {name}: trainable in the checkpoint, frozen in this model" if name in frozen else
-             f"  {name}: in the checkpoint, not in this model" for name in sorted(then - now)]
-    lines += [f"  {name}: in this model, not in the checkpoint" for name in sorted(now - then)]
+    lines = [(Change.FROZEN, f"  {name}: trainable in the checkpoint, frozen in this model") if name in frozen else
+             (Change.REMOVED, f"  {name}: in the checkpoint, not in this model") for name in sorted(then - now)]
+    lines += [(Change.ADDED, f"  {name}: in this model, not in the checkpoint") for name in sorted(now - then)]
     lines += [
-        f"  {name}: {_dims(saved_shapes[name])} in the checkpoint, {_dims(shapes[name])} in this model"
+        (Change.RESHAPED, f"  {name}: {_dims(saved_shapes[name])} in the checkpoint, {_dims(shapes[name])} in this "
+                          "model")
         for name in sorted(then & now) if name in saved_shapes and name in shapes and saved_shapes[name] != shapes[name]
     ]
     return lines
@@ -169,10 +136,11 @@ def check_same_model(saved: dict[str, Any], current: dict[str, list[str]],
     """Refuse a resume whose model has other trainable parameters (or other shapes) than the one that saved the
     checkpoint (built with other arguments, or another version of its code): that is not a routing choice, and
     the routing check would say it is."""
-    lines = model_differences(saved, current, shapes or {}, frozen)
-    if not lines:
+    differences = model_differences(saved, current, shapes or {}, frozen)
+    if not differences:
         return
-    if any("frozen in this model" in line for line in lines):
+    lines = [line for _, line in differences]
+    if any(change is Change.FROZEN for change, _ in differences):
         raise MisconfigurationException(
             "This checkpoint was saved with parameters trainable that are frozen in this model, and in no param "
             f"group a finetuning callback added during the fit:\n{first_lines(lines, 20)}\nFreeze the model as it "
@@ -227,15 +195,24 @@ def refuse_foreign_optimizer_states(checkpoint: dict[str, Any]) -> None:
     )
 
 
-def naming_unreadable_files(load: Callable[..., Any], strategy_name: str) -> Callable[..., Any]:
+def naming_unreadable_files(load: Callable[..., Any], strategy_name: str, by_order: bool = False) -> Callable[..., Any]:
     """``load`` (strategy ``strategy_name``'s ``load_checkpoint``), saying what is wrong with the file and what to
     do instead of torch's bare errors: an empty or truncated file (a run stopped while saving it), an FSDP2
-    checkpoint directory on a strategy that reads one file, a one-file checkpoint under FSDP2 (Lightning maps each
-    optimizer's states onto the model's parameters in order, which does not hold for Muon + AdamW). The fit's
-    ``ckpt_path`` is loaded by ``strategy.load_checkpoint`` before any module hook runs, hence a wrapper."""
+    checkpoint directory on a strategy that reads one file, and, before loading it, a one-file checkpoint with
+    optimizer states on a strategy that maps each optimizer's states onto the model's parameters in order
+    (``by_order``: FSDP2's, which does not hold for Muon + AdamW). The fit's ``ckpt_path`` is loaded by
+    ``strategy.load_checkpoint`` before any module hook runs, hence a wrapper."""
     name = strategy_name
 
     def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if by_order and _file_with_optimizer_states(checkpoint_path):
+            raise RuntimeError(
+                f"{checkpoint_path} holds one process's (or DDP's) optimizer states, by position; {name} "
+                "maps each optimizer's states onto the model's parameters in order, which does not hold for "
+                "Muon + AdamW. Resume it with one process or DDP, or start the FSDP2 fit from its weights "
+                "with fresh optimizers (load its state_dict into the model before fully_shard, fit without "
+                "ckpt_path)."
+            )
         try:
             return load(checkpoint_path, *args, **kwargs)
         except IsADirectoryError as error:
@@ -255,17 +232,16 @@ def naming_unreadable_files(load: Callable[..., Any], strategy_name: str) -> Cal
                     f"{error}). It is empty or truncated (a run stopped while saving it?): resume from another "
                     "checkpoint, or fit without ckpt_path."
                 ) from error
-            if "Missing optimizer state for parameter" in str(error):
-                raise RuntimeError(
-                    f"{checkpoint_path} holds one process's (or DDP's) optimizer states, by position; {name} "
-                    "maps each optimizer's states onto the model's parameters in order, which does not hold for "
-                    "Muon + AdamW. Resume it with one process or DDP, or start the FSDP2 fit from its weights "
-                    "with fresh optimizers (load its state_dict into the model before fully_shard, fit without "
-                    "ckpt_path)."
-                ) from error
             raise
 
     return load_checkpoint
+
+
+def _file_with_optimizer_states(path: Any) -> bool:
+    """Whether ``path`` is a complete one-file checkpoint holding optimizer states (read memory-mapped)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path) or not zipfile.is_zipfile(path):
+        return False
+    return bool(torch.load(path, map_location="cpu", mmap=True, weights_only=False).get("optimizer_states"))
 
 
 def consolidate(directory: str | os.PathLike, out: str | os.PathLike) -> Path:
@@ -301,3 +277,39 @@ def _by_position(optimizer_state: dict[str, Any]) -> dict[str, Any]:
         groups.append({**group, "params": ids})
     state = {index[name]: value for name, value in optimizer_state["state"].items()}
     return {"state": state, "param_groups": groups}
+
+
+def saved_roles(saved: dict[str, Any], resuming: bool, stepped: bool = True) -> GraphRoles | None:
+    """The roles a checkpoint's record (``checkpoint["lightning_muon"]``) trained with. A resumed fit whose
+    checkpoint has none (saved before a first batch was followed) keeps the structural routing its optimizer states
+    were saved with (empty roles), or, where they are empty (not ``stepped``: saved before any update, as the
+    batch-size finder saves), follows its next first batch (``None``); a load without a fit, ``None``. Records
+    written before the key was ``"roles"`` say ``"graph"``."""
+    data = saved.get("roles", saved.get("graph"))
+    if data is not None:
+        return GraphRoles.from_dict(data)
+    return GraphRoles() if resuming and stepped else None
+
+
+def stepped(checkpoint: dict[str, Any]) -> bool:
+    """Whether a checkpoint's optimizers had stepped (hold states), as far as the checkpoint shows: a distributed
+    checkpoint's ``meta.pt`` holds no optimizer states, and is taken as stepped."""
+    states = checkpoint.get("optimizer_states")
+    return states is None or any(s.get("state") for s in states)
+
+
+def restore_record_first(load: Callable[..., Any], load_record: Callable[[dict[str, Any]], None]) -> Callable[..., Any]:
+    """``load`` (a strategy's ``load_checkpoint``), giving a distributed checkpoint's record to ``load_record``
+    before it reads the file: a directory's optimizer states load into the optimizers as they stand, so they must
+    hold the checkpoint's routing and groups first (its ``meta.pt`` has the record). One-file checkpoints are left
+    alone."""
+
+    def load_checkpoint(checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        meta = Path(checkpoint_path) / "meta.pt" if isinstance(checkpoint_path, (str, Path)) else None
+        if meta is not None and meta.is_file():
+            saved = torch.load(meta, map_location="cpu", weights_only=False).get(CHECKPOINT_KEY)
+            if saved is not None:
+                load_record(saved)
+        return load(checkpoint_path, *args, **kwargs)
+
+    return load_checkpoint

@@ -221,3 +221,11 @@ def saved_finetuning_groups(callback: BaseFinetuning, checkpoint: dict[str, Any]
     resumes (its state, under its ``state_key``, with groups in it)."""
     state = checkpoint.get("callbacks", {}).get(callback.state_key) or {}
     return bool(state.get("internal_optimizer_metadata"))
+
+
+def maps_optimizer_states_by_order(strategy: Any) -> bool:
+    """Whether ``strategy`` loads a one-file checkpoint's optimizer states onto the model's parameters in order
+    (``ModelParallelStrategy``, FSDP2's), where Muon + AdamW's states are not in that order."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, lightning_classes(ModelParallelStrategy))

@@ -19,7 +19,8 @@ from torch.optim import Optimizer
 from lightning_muon.lightning._specs import from_spec, plain_data, target_class, to_spec
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
 from lightning_muon.optim.groups import group_effective_lrs, is_count
-from lightning_muon.routing import Algorithm, Routing, check_pattern_list
+from lightning_muon.optim.muon import Muon
+from lightning_muon.routing import Algorithm, GraphRoles, Routing, check_pattern_list, route_parameters
 
 __all__ = ["DEFAULT_ADAMW", "DEFAULT_MUON", "MuonConfig", "plain_data"]  # plain_data: from _specs, for mixin.py
 
@@ -140,6 +141,19 @@ class MuonConfig:
             if all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params):
                 return self.build(Algorithm.ADAMW, groups, fused=True)
         return self.build(Algorithm.ADAMW, groups)
+
+    def route(self, module: torch.nn.Module, roles: GraphRoles | None) -> Routing:
+        """Where ``module``'s trainable parameters go under this config (patterns, Muon class, ``muon=None``), with
+        the output heads and input layers of ``roles`` (``None``: from names and structure)."""
+        muon_class = self.muon_class
+        routing = route_parameters(
+            module,
+            muon_params=self.muon_params,
+            adamw_params=self.adamw_params,
+            muon_nd=muon_class is not None and issubclass(muon_class, Muon),
+            graph=roles,
+        )
+        return routing if self.muon_enabled else routing.all_on_adamw("muon=None: on AdamW")
 
     def effective_lrs(self, routing: Routing) -> dict[str, float]:
         """The learning rate each routed parameter will start with, by name (Muon's after the shape

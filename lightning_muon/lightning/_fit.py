@@ -7,8 +7,9 @@ that Lightning's manual-optimization check lets them through), resolves them aga
 gives them back at its end. Given in both places with different values, the fit is refused before it trains,
 naming both.
 
-The fit's state also applies what the fit's first training batch shows (`follow_first_batch`: the roles of
-`lightning_muon.routing.trace_step`, applied by `lightning_muon.lightning._first_batch`), and, for
+The fit's state holds the fit's optimizers and the origin of their param groups (`OptimizerPair`), applies what
+the fit's first training batch shows (`follow_first_batch`: the roles of `lightning_muon.routing.trace_step`,
+checked by `lightning_muon.lightning._first_batch`, applied by the pair), and, for
 ``trainer.fit(torch.compile(model))``, compiles the parent's ``training_step`` alone (`compiler`), never the
 update around it.
 
@@ -20,75 +21,75 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningRateFinder
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_muon.lightning import _checkpoint, _checks, _compat, _finetuning, _first_batch, _unfreezing
+from lightning_muon.lightning import _checkpoint, _checks, _compat, _finetuning, _first_batch
 from lightning_muon.lightning._config import MuonConfig
-from lightning_muon.lightning._update_loop import UpdateSettings, loss_in
-from lightning_muon.routing import ADAMW, MUON, Algorithm, GraphRoles, Routing, trace_step
+from lightning_muon.lightning._pair import OptimizerPair, layout_of, saved_added_members
+from lightning_muon.lightning._update_loop import UpdateSettings
+from lightning_muon.routing import GraphRoles, Routing, loss_in, trace_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch import LightningModule
-    from torch.optim import Optimizer
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """Micro-batches per update: a fixed number, or a ``GradientAccumulationScheduler``'s by epoch."""
+
+    batches: int = 1
+    #: The ``GradientAccumulationScheduler`` taken off the Trainer, if one was given (it decides from then on).
+    scheduler: GradientAccumulationScheduler | None = None
+
+    def at(self, epoch: int) -> int:
+        """Micro-batches per update during ``epoch``."""
+        return self.batches if self.scheduler is None else self.scheduler.get_accumulate_grad_batches(epoch)
 
 
 class FitState:
-    """One fit's settings and what it borrowed from the Trainer.
+    """One fit's settings, what it borrowed from the Trainer, and its optimizers.
 
     Args:
         config: the mixin's configuration.
         settings: what each update uses (clipping, the skip limit).
-        accumulate_grad_batches: micro-batches per update (before a ``GradientAccumulationScheduler`` changes it
-            at an epoch start).
-        accumulation_scheduler: the ``GradientAccumulationScheduler`` taken off the Trainer, if one was given.
+        accumulation: micro-batches per update.
         trainer_flags: what the Trainer was given, put back at the end of the fit.
     """
 
-    def __init__(
-        self,
-        config: MuonConfig,
-        settings: UpdateSettings,
-        accumulate_grad_batches: int,
-        accumulation_scheduler: GradientAccumulationScheduler | None,
-        trainer_flags: _compat.TrainerFlags,
-    ) -> None:
+    def __init__(self, config: MuonConfig, settings: UpdateSettings, accumulation: Accumulation,
+                 trainer_flags: _compat.TrainerFlags) -> None:
         self.config = config
         self.settings = settings
-        self.accumulate_grad_batches = accumulate_grad_batches
-        self.accumulation_scheduler = accumulation_scheduler
+        self.accumulation = accumulation
         self.trainer_flags = trainer_flags
         #: The monitor-driven schedulers: id -> (metric, strict), which manual optimization would drop.
         self.monitors: dict[int, tuple[str, bool]] = {}
-        #: What the optimizers were built from (``parent_lr=True``: at the parent's lr), from configure_optimizers,
-        #: and which algorithm each optimizer is, in order (an optimizer without parameters is not built).
-        self.optimizer_config = config
-        self.algorithms: list[str] = []
         #: ``torch.compile(model)``'s compiler, for the parent's ``training_step`` (``None``: not compiled).
         self.compiler: Callable[[Callable[..., Any]], Any] | None = None
         #: The strategy whose ``load_checkpoint`` the fit wraps, and its own before (``None``: its class's).
         self._wrapped_load: tuple[Any, Callable[..., Any] | None] | None = None
         #: Whether both optimizers are built even where the start routes nothing to one (a finetuning callback
-        #: will unfreeze parameters for it), holding an empty group until then.
-        self.keeps_optimizers = False
-        #: The module's routing as it stands (from configure_optimizers), and the record of the checkpoint the fit
-        #: resumes (``None``: a fresh fit, or a strategy that restores after on_fit_start).
-        self._routing: Callable[[], Routing] | None = None
+        #: will unfreeze parameters for it).
+        self.keep_both = False
+        #: The fit's optimizers and their groups (from configure_optimizers).
+        self.pair: OptimizerPair | None = None
+        #: The record of the checkpoint the fit resumes (``None``: a fresh fit, or a strategy that restores after
+        #: on_fit_start).
         self.resumed: dict[str, Any] | None = None
-        #: The fit's finetuning callbacks, wrapped for the pair from on_fit_start (`_finetuning`).
-        self.finetuning: _finetuning.Finetuning | None = None
 
     @classmethod
     def start(cls, module: LightningModule, config: MuonConfig,
-              load_roles: Callable[[dict[str, Any]], None]) -> FitState:
+              load_record: Callable[[dict[str, Any]], None]) -> FitState:
         """From the mixin's ``configure_callbacks``, before Lightning checks the fit: refuse what cannot work, take
         the Trainer's clipping and accumulation flags (and ``GradientAccumulationScheduler``) for the mixin and
         resolve them against ``config``; make the strategy's checkpoint loading name unreadable files and give a
-        distributed checkpoint's record to ``load_roles`` first; take ``torch.compile``'s compiler off the step."""
+        distributed checkpoint's record to ``load_record`` first; take ``torch.compile``'s compiler off the step."""
         trainer = module.trainer
         _checks.check_callbacks(module, config.muon_enabled)
         flags = _compat.take_trainer_flags(trainer)
@@ -97,41 +98,30 @@ class FitState:
         except Exception:
             _compat.restore_trainer_flags(trainer, flags)
             raise
-        fit._wrap_load(trainer.strategy, load_roles)
+        fit._wrap_load(trainer.strategy, load_record)
         fit.compiler = _compat.take_compiled_training_step(module)
         return fit
 
-    def _wrap_load(self, strategy: Any, load_roles: Callable[[dict[str, Any]], None]) -> None:
+    def _wrap_load(self, strategy: Any, load_record: Callable[[dict[str, Any]], None]) -> None:
         self._wrapped_load = (strategy, vars(strategy).get("load_checkpoint"))
-        named = _checkpoint.naming_unreadable_files(strategy.load_checkpoint, type(strategy).__name__)
-        strategy.load_checkpoint = _first_batch.restore_roles_first(named, load_roles)
-
-    def accumulation_at(self, epoch: int) -> int:
-        """Micro-batches per update during ``epoch``."""
-        if self.accumulation_scheduler is None:
-            return self.accumulate_grad_batches
-        return self.accumulation_scheduler.get_accumulate_grad_batches(epoch)
+        named = _checkpoint.naming_unreadable_files(strategy.load_checkpoint, type(strategy).__name__,
+                                                    by_order=_compat.maps_optimizer_states_by_order(strategy))
+        strategy.load_checkpoint = _checkpoint.restore_record_first(named, load_record)
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Lightning's loop already knows how to count accumulated batches (logger steps, validation zero_grad,
         ``estimated_stepping_batches``): give it the fit's number. The fit's callbacks are all attached now (the
         module's ``configure_callbacks`` too): refuse a finetuning callback that cannot work with the pair, and
         keep both optimizers where one may come."""
-        _compat.set_accumulate_grad_batches(trainer, self.accumulation_at(trainer.current_epoch))
+        _compat.set_accumulate_grad_batches(trainer, self.accumulation.at(trainer.current_epoch))
         callbacks = _compat.trainer_callbacks(trainer)
-        _unfreezing.check_finetuning_callbacks(callbacks, self.config.muon_enabled)
-        self.keeps_optimizers = self.config.muon_enabled and bool(_unfreezing.finetuning_callbacks(callbacks))
+        _finetuning.check_finetuning_callbacks(callbacks, self.config.muon_enabled)
+        self.keep_both = self.config.muon_enabled and bool(_finetuning.finetuning_callbacks(callbacks))
 
-    def configure_optimizers(self, optimizer_config: MuonConfig, built: dict[str, Optimizer],
-                             schedulers: list[dict[str, Any]], routing: Callable[[], Routing]) -> None:
-        """Keep what the optimizers were built from and which they are (``built``: by algorithm, in order); make
-        them route what a finetuning callback adds (``routing``: the module's routing as it stands, see
-        `_unfreezing`); keep the monitor of each monitor-driven scheduler config (manual optimization drops it)
-        for `on_fit_start`, taking it out of the config Lightning validates."""
-        self.optimizer_config = optimizer_config
-        self.algorithms = list(built)
-        self._routing = routing
-        _unfreezing.route_added_groups(built, routing)
+    def configure_optimizers(self, pair: OptimizerPair, schedulers: list[dict[str, Any]]) -> None:
+        """Keep the fit's optimizers (``pair``); keep the monitor of each monitor-driven scheduler config (manual
+        optimization drops it) for `on_fit_start`, taking it out of the config Lightning validates."""
+        self.pair = pair
         self.monitors = {
             id(c["scheduler"]): (c.pop("monitor"), c.pop("strict", True)) for c in schedulers if "monitor" in c
         }
@@ -139,9 +129,8 @@ class FitState:
     def on_fit_start(self, module: LightningModule, own_classes: Sequence[type], lrs_given: bool) -> None:
         """Give the monitor-driven schedulers back their metric; say what the parent's ``configure_optimizers``
         (the first of ``own_classes`` that defines it) would have built (``lrs_given``: the user chose the lrs);
-        wrap the finetuning callbacks for the pair; on resume (the callbacks' ``on_fit_start`` gave the optimizers
-        back the groups they added), check the optimizers hold the checkpoint's groups and make what a finetuning
-        callback unfroze trainable again (`_finetuning.restore_unfrozen`)."""
+        on resume, make what a finetuning callback unfroze trainable again (`_finetuning.restore_unfrozen`) and
+        give the optimizers the checkpoint's groups, before its optimizer states load."""
         trainer = module.trainer
         for config in trainer.lr_scheduler_configs:
             monitor = self.monitors.get(id(config.scheduler))
@@ -149,21 +138,26 @@ class FitState:
                 config.reduce_on_plateau, (config.monitor, config.strict) = True, monitor
         _checks.tell_replaced(module, own_classes, lrs_given)
         saved = self.resumed
-        self.finetuning = _finetuning.Finetuning(trainer, module, self.algorithms,
-                                                 saved.get("backbone_lrs") if saved is not None else None)
-        if saved is not None:
-            _checkpoint.check_groups(saved, trainer.optimizers, self.algorithms)
-            if _finetuning.restore_unfrozen(module, trainer.optimizers) and self._routing is not None:
-                _checkpoint.check_routing(saved, _checkpoint.optimizer_names(self._routing()))
+        if saved is not None and self.pair is not None:
+            if _finetuning.restore_unfrozen(module, saved_added_members(saved)):
+                _checkpoint.check_routing(saved, _checkpoint.optimizer_names(self.pair.routing()))
+            self.pair.restore(trainer, saved, self.pair.routing())
 
     def record(self) -> dict[str, Any]:
-        """What the fit adds to its checkpoints' record (each optimizer's backbone lr, `_finetuning`)."""
-        return self.finetuning.record() if self.finetuning is not None else {}
+        """What the fit adds to its checkpoints' record: the pair's groups (`OptimizerPair.record`)."""
+        return self.pair.record() if self.pair is not None else {}
 
     def on_train_epoch_start(self, trainer: pl.Trainer) -> None:
-        """A ``GradientAccumulationScheduler``'s number for this epoch (what the callback itself would set)."""
-        if self.accumulation_scheduler is not None:
-            _compat.set_accumulate_grad_batches(trainer, self.accumulation_at(trainer.current_epoch))
+        """A ``GradientAccumulationScheduler``'s number for this epoch (what the callback itself would set); the
+        groups the finetuning callbacks added this epoch start, given to every optimizer."""
+        if self.accumulation.scheduler is not None:
+            _compat.set_accumulate_grad_batches(trainer, self.accumulation.at(trainer.current_epoch))
+        self.on_train_batch_start()
+
+    def on_train_batch_start(self) -> None:
+        """Before a training batch: every optimizer holds its part of the groups added so far."""
+        if self.pair is not None:
+            self.pair.add_waiting()
 
     def follow_first_batch(self, module: LightningModule, batch: Any,
                            run: Callable[[], Any]) -> tuple[Any, GraphRoles | None]:
@@ -175,8 +169,8 @@ class FitState:
         output, roles = trace_step(module, batch, run, loss_in)
         if loss_in(output) is None:
             return output, None
-        before = _first_batch.routing_for(module, self.config, None)
-        after = _first_batch.routing_for(module, self.config, roles)
+        before = self.config.route(module, None)
+        after = self.config.route(module, roles)
         _first_batch.check_ranks_agree(module.trainer, after)
         self.hold(module.trainer, after)
         rank_zero_info(_first_batch.moves_message(before, after, roles, time.perf_counter() - start))
@@ -184,11 +178,17 @@ class FitState:
 
     def hold(self, trainer: pl.Trainer, routing: Routing) -> None:
         """Make the fit's optimizers, where they are built and hold no state yet, hold ``routing``'s groups."""
-        optimizers = trainer.optimizers
-        if optimizers and not any(o.state for o in optimizers) and not _first_batch.holds(
-                optimizers, routing, self.algorithms, self.keeps_optimizers):
-            _first_batch.correct_optimizers(trainer, routing, self.optimizer_config, self.algorithms,
-                                            self.keeps_optimizers)
+        pair = self.pair
+        if pair is not None and trainer.optimizers and not any(o.state for o in trainer.optimizers) \
+                and not pair.holds(routing):
+            pair.regroup(trainer, routing)
+
+    def restore(self, trainer: pl.Trainer, saved: dict[str, Any], routing: Routing) -> None:
+        """A checkpoint restored into this fit after its optimizers were built (a tool that saves and restores
+        within the fit, such as Lightning's batch-size finder; a strategy that restores after setting up): the
+        optimizers hold its groups before its optimizer states load (`OptimizerPair.restore`)."""
+        if self.pair is not None and trainer.optimizers:
+            self.pair.restore(trainer, saved, routing)
 
     def teardown(self, module: LightningModule, config: MuonConfig) -> MuonConfig:
         """Give the Trainer its flags and the strategy its ``load_checkpoint`` back; return ``config`` for the
@@ -196,8 +196,6 @@ class FitState:
         suggestion back, on the ``muon=None`` baseline (the saved hyperparameters say so too)."""
         trainer = module.trainer
         _compat.restore_trainer_flags(trainer, self.trainer_flags)
-        if self.finetuning is not None:
-            self.finetuning.teardown()
         if self._wrapped_load is not None:
             strategy, own = self._wrapped_load
             if own is not None:
@@ -217,13 +215,13 @@ class FitState:
         return config
 
 
-def build_optimizers(module: LightningModule, routing: Routing, config: MuonConfig,
-                     fit: FitState | None = None) -> tuple[dict[str, Optimizer], list[dict[str, Any]]]:
-    """The optimizers over ``routing``'s param groups, by algorithm (``{MUON: ..., ADAMW: ...}``, in that order),
-    each only where it has parameters (with ``muon=None`` and no parameter at all, AdamW) or, where the ``fit``
-    keeps both (it has a finetuning callback), each with an empty group where it has none; and their schedulers'
-    configs (none without ``lr_scheduler``). The routing table is printed once (INFO), an optimizer left without
-    parameters said once, and a model with nothing trainable refused by name."""
+def build_optimizers(module: LightningModule, routing: Routing, routing_now: Callable[[], Routing], config: MuonConfig,
+                     fit: FitState | None = None) -> tuple[OptimizerPair, list[dict[str, Any]]]:
+    """The optimizer pair over ``routing``'s param groups (``routing_now``: the module's routing as it stands, for
+    what a finetuning callback unfreezes later) (`OptimizerPair.build`; with both optimizers where the
+    ``fit`` keeps both: it has a finetuning callback) and their schedulers' configs (none without
+    ``lr_scheduler``). The routing table is printed once (INFO), and a model with nothing trainable refused by
+    name."""
     if not routing.routes:
         raise MisconfigurationException(
             f"{type(module).__name__} has no trainable parameter: every parameter has requires_grad=False (or "
@@ -231,45 +229,43 @@ def build_optimizers(module: LightningModule, routing: Routing, config: MuonConf
             "(`layer.requires_grad_(True)`), or build the layers in __init__ or configure_model."
         )
     rank_zero_info("\n" + routing.render())
-    keep_both = fit is not None and fit.keeps_optimizers
-    built: dict[str, Optimizer] = {}
-    if routing.muon_groups or keep_both:
-        built[MUON] = config.build(Algorithm.MUON, routing.muon_groups or [_unfreezing.placeholder_group(MUON)])
-    elif config.muon_enabled:
-        rank_zero_warn("MuonMixin: no parameter was routed to Muon; only AdamW will train this model.")
-    if routing.adamw_groups or keep_both:
-        built[ADAMW] = config.build_adamw(routing.adamw_groups or [_unfreezing.placeholder_group(ADAMW)])
-    else:  # every trainable parameter is a hidden matrix (LoRA adapters, a frozen model's blocks)
-        rank_zero_info("MuonMixin: no parameter was routed to AdamW; Muon alone trains this model.")
-    for algorithm in (MUON, ADAMW):
-        if keep_both and not routing.groups(algorithm):
-            rank_zero_info(f"MuonMixin: no parameter is routed to {algorithm} yet: it holds an empty group until a "
-                           "finetuning callback unfreezes parameters for it.")
+    pair = OptimizerPair(config, routing_now, keep_both=fit is not None and fit.keep_both)
+    optimizers = list(pair.build(routing).values())
     if config.lr_scheduler_factory is None:
-        return built, []
-    return built, config.build_schedulers(list(built.values()), lambda: module.trainer.estimated_stepping_batches)
+        return pair, []
+    return pair, config.build_schedulers(optimizers, lambda: module.trainer.estimated_stepping_batches)
 
 
 def checkpoint_record(module: Any, config: MuonConfig, roles: GraphRoles | None, loop_state: dict[str, int],
-                      fit: FitState | None) -> dict[str, Any]:
+                      pair: OptimizerPair | None) -> dict[str, Any]:
     """What ``module``'s (a `MuonMixin`'s) checkpoint holds under `_checkpoint.CHECKPOINT_KEY`
     (`_checkpoint.record`): its routing and ``config``'s settings, with the groups its Trainer's optimizers hold
-    and what the ``fit`` adds (each optimizer's backbone lr)."""
+    (``pair``'s record where they are its optimizers, also after the fit ended)."""
     trainer = _compat.attached_trainer(module)
-    return _checkpoint.record(module.muon_routing(), roles, loop_state, config.to_hparams(),
-                              trainer.optimizers if trainer is not None else None,
-                              fit.record() if fit is not None else None)
+    optimizers = list(trainer.optimizers) if trainer is not None else []
+    held = None
+    if pair is not None and len(optimizers) == len(pair.optimizers) and all(
+            a is b for a, b in zip(optimizers, pair.optimizers.values(), strict=True)):
+        held = pair.record()
+    elif optimizers:
+        held = {"groups": [layout_of(o) for o in optimizers]}
+    return _checkpoint.record(module.muon_routing(), roles, loop_state, config.to_hparams(), held)
 
 
 def check_resume(module: LightningModule, checkpoint: dict[str, Any], saved: dict[str, Any], routing: Routing,
                  fit: FitState | None) -> None:
     """Refuse a resume from ``checkpoint`` (its record: ``saved``) that cannot meet ``module`` (its ``routing``:
-    `_checkpoint.check_resume`, told whether a finetuning callback gives back the groups it added); keep the
-    record for the ``fit``'s ``on_fit_start``, which checks it against the optimizers (where the strategy
-    restores before that: one process, DDP)."""
+    `_checkpoint.check_resume`, told whether a finetuning callback gives back the groups it added). Where the
+    ``fit``'s optimizers are built already (a checkpoint restored within the fit), they take its groups now;
+    otherwise the record is kept for the fit's ``on_fit_start``, which gives them (where the strategy restores
+    before that: one process, DDP)."""
     trainer = module.trainer
     _checkpoint.check_resume(saved, routing, module, _finetuning.restores_groups(trainer, checkpoint))
-    if fit is not None and not trainer.strategy.restore_checkpoint_after_setup:
+    if fit is None:
+        return
+    if fit.pair is not None:
+        fit.restore(trainer, saved, routing)
+    elif not trainer.strategy.restore_checkpoint_after_setup:
         fit.resumed = saved
 
 
@@ -295,7 +291,7 @@ def resolve(config: MuonConfig, flags: _compat.TrainerFlags) -> FitState:
         )
     clip, algorithm = _resolve_clipping(config.gradient_clip_val, flags)
     settings = UpdateSettings(clip, algorithm, config.max_consecutive_skips)
-    return FitState(config, settings, own_n if own_n != 1 else trainer_n, scheduler, flags)
+    return FitState(config, settings, Accumulation(own_n if own_n != 1 else trainer_n, scheduler), flags)
 
 
 def _resolve_clipping(own_clip: float | None, flags: _compat.TrainerFlags) -> tuple[float | None, str]:

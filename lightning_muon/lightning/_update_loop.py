@@ -32,10 +32,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
-from lightning_muon.lightning import _compat, _health, _unfreezing
+from lightning_muon.lightning import _compat, _health
 from lightning_muon.lightning._checks import by_hand
 from lightning_muon.lightning._unsynced import UnsyncedGradients
 from lightning_muon.optim import _norms as norms
+from lightning_muon.routing import loss_in
 
 if TYPE_CHECKING:
     from lightning.pytorch import LightningModule
@@ -55,7 +56,16 @@ class UpdateSettings:
     max_consecutive_skips: int = 5
 
 
-def step_schedulers(module: LightningModule, *, interval: str, plateau: bool, index: int) -> None:
+#: The groups a scheduler of an optimizer steps (`OptimizerPair.scheduled_groups`: those it was built with).
+ScheduledGroups = Callable[[Optimizer], contextlib.AbstractContextManager[None]]
+
+
+def _all_groups(optimizer: Optimizer) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def step_schedulers(module: LightningModule, *, interval: str, plateau: bool, index: int,
+                    scheduled_groups: ScheduledGroups = _all_groups) -> None:
     """Step every scheduler of ``interval`` (``"step"`` or ``"epoch"``) whose ``frequency`` divides ``index``
     (1-based), either the monitor-driven ones (``plateau``) or the others, through ``lr_scheduler_step``.
 
@@ -63,7 +73,8 @@ def step_schedulers(module: LightningModule, *, interval: str, plateau: bool, in
     ``"step"`` schedulers after each update (``frequency`` counts batches of the epoch, as Lightning's
     ``batch_idx + 1``), ``"epoch"`` ones after the epoch's last batch, and monitor-driven ones once the metrics
     they read are logged (after a step's validation, after the epoch's ``on_train_epoch_end``). A scheduler steps
-    the groups its optimizer was built with: those a finetuning callback added keep the lr the callback gives them.
+    the groups its optimizer was built with (``scheduled_groups``): those a finetuning callback added keep the lr
+    the callback gives them.
     """
     trainer = module.trainer
     for config in trainer.lr_scheduler_configs:
@@ -87,7 +98,7 @@ def step_schedulers(module: LightningModule, *, interval: str, plateau: bool, in
                 )
                 continue
         optimizer = getattr(config.scheduler, "optimizer", None)
-        with _unfreezing.scheduled_groups_only(optimizer) if optimizer is not None else contextlib.nullcontext():
+        with scheduled_groups(optimizer) if optimizer is not None else contextlib.nullcontext():
             module.lr_scheduler_step(config.scheduler, metric)  # (the groups a finetuning callback added: its lr)
 
 
@@ -108,15 +119,6 @@ def bind_step(step: Callable[..., Any], args: tuple, kwargs: dict,
     function = step.func if isinstance(step, functools.partial) else getattr(step, "__func__", None)
     count = _positional_count(function) if function is not None else len(args)
     return functools.partial(compiler(step) if compiler is not None else step, *args[:count], **kwargs)
-
-
-def loss_in(output: Any) -> torch.Tensor | None:
-    """The loss a ``training_step`` returned (a tensor, or a dict's ``"loss"``); ``None`` if it holds none."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-        return output["loss"]
-    return None
 
 
 @contextlib.contextmanager
@@ -169,6 +171,8 @@ class UpdateLoop:
         self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
         #: The gradients DDP will not reduce in this fit (parameters frozen when it wrapped the model).
         self._unsynced = UnsyncedGradients()
+        #: The groups each optimizer's scheduler steps (from `optimizers_built`).
+        self._scheduled_groups: ScheduledGroups = _all_groups
 
     @property
     def in_training_step(self) -> bool:
@@ -184,10 +188,13 @@ class UpdateLoop:
             where = "training_step" if self._in_training_step else "a hook or callback outside training_step"
             raise by_hand(module, f"{where} {call}")
 
-    def optimizers_built(self, module: LightningModule, optimizers: Iterable[Optimizer]) -> None:
+    def optimizers_built(self, module: LightningModule, optimizers: Iterable[Optimizer],
+                         scheduled_groups: ScheduledGroups = _all_groups) -> None:
         """From ``configure_optimizers``, which Lightning's DDP strategy calls right after wrapping the model: guard
-        the optimizers' steps (`guard_steps`), and note what DDP will not reduce (`UnsyncedGradients`)."""
+        the optimizers' steps (`guard_steps`), note what DDP will not reduce (`UnsyncedGradients`) and which groups
+        each optimizer's scheduler steps (``scheduled_groups``)."""
         self.guard_steps(module, optimizers)
+        self._scheduled_groups = scheduled_groups
         trainer = _compat.attached_trainer(module)
         self._unsynced = UnsyncedGradients.at_wrap(trainer.strategy.model if trainer else None, module)
 
@@ -269,7 +276,8 @@ class UpdateLoop:
             self.micro_batches = 0
             self._losses = []
         if _compat.ends_epoch(module.trainer):
-            step_schedulers(module, interval="epoch", plateau=False, index=module.trainer.current_epoch + 1)
+            step_schedulers(module, interval="epoch", plateau=False, index=module.trainer.current_epoch + 1,
+                            scheduled_groups=self._scheduled_groups)
         return output
 
     def on_train_batch_start(self, module: LightningModule) -> None:
@@ -282,12 +290,14 @@ class UpdateLoop:
         schedulers."""
         self._step_pending_plateau(module)
         if _compat.ends_epoch(module.trainer):
-            step_schedulers(module, interval="epoch", plateau=True, index=module.trainer.current_epoch + 1)
+            step_schedulers(module, interval="epoch", plateau=True, index=module.trainer.current_epoch + 1,
+                            scheduled_groups=self._scheduled_groups)
 
     def _step_pending_plateau(self, module: LightningModule) -> None:
         if self._plateau_pending is not None:
             index, self._plateau_pending = self._plateau_pending, None
-            step_schedulers(module, interval="step", plateau=True, index=index)
+            step_schedulers(module, interval="step", plateau=True, index=index,
+                            scheduled_groups=self._scheduled_groups)
 
     def _backward(self, module: LightningModule, loss: torch.Tensor) -> None:
         """The loop's own backward, the one `check_backward` lets through."""
@@ -309,10 +319,8 @@ class UpdateLoop:
                 rank_zero_warn("training_step returned None: MuonMixin skips that batch (no backward, no update).")
                 self._warned_none = True
             return None
-        if isinstance(output, torch.Tensor):
-            return output
-        if isinstance(output, dict) and "loss" in output:
-            return output["loss"]
+        if (loss := loss_in(output)) is not None:
+            return loss
         raise MisconfigurationException(
             f"training_step must return the loss (a tensor, a dict with a 'loss' key, or None to skip the batch); "
             f"got {type(output).__name__}{' with keys ' + str(list(output)) if isinstance(output, dict) else ''}."
@@ -351,7 +359,8 @@ class UpdateLoop:
                 scaler.update()
                 self._scaler_watch.after_update(not finite, scaler.get_scale(), self._losses)
             index = trainer.fit_loop.epoch_loop.batch_idx + 1  # Lightning's count for "step" frequencies
-            step_schedulers(module, interval="step", plateau=False, index=index)
+            step_schedulers(module, interval="step", plateau=False, index=index,
+                            scheduled_groups=self._scheduled_groups)
             self._plateau_pending = index
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)

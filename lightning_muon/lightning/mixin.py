@@ -37,9 +37,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.lightning import _checkpoint, _checks, _compat
 from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig
-from lightning_muon.lightning._first_batch import routing_for, saved_roles
 from lightning_muon.lightning._fit import FitState, build_optimizers, check_resume, checkpoint_record
 from lightning_muon.lightning._hparams import save_hyperparameters, settings_from_checkpoint
+from lightning_muon.lightning._pair import OptimizerPair
 from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings, bind_step
 from lightning_muon.routing import GraphRoles, Routing
 
@@ -142,6 +142,8 @@ class MuonMixin(_LightningModuleBase):
         self._muon_config = config
         self._muon_loop = UpdateLoop()
         self._muon_fit: FitState | None = None
+        #: The last optimizers configure_optimizers built and their groups (kept after the fit, for its checkpoints).
+        self._muon_pair: OptimizerPair | None = None
         #: What the first training batch showed (None until one is seen); kept in checkpoints.
         self._muon_roles: GraphRoles | None = None
         save_hyperparameters(self, config, MuonMixin)
@@ -176,12 +178,12 @@ class MuonMixin(_LightningModuleBase):
 
         Until a fit's first training batch is seen, output heads and input layers come from names and
         structure; from then on, from that batch (see `lightning_muon.routing.trace_roles`)."""
-        return routing_for(self, self._muon_config, self._muon_roles)
+        return self._muon_config.route(self, self._muon_roles)
 
     def muon_effective_lrs(self) -> dict[str, float]:
         """The learning rate each routed parameter will start with, by name (Muon's after the shape
         adjustment), read from optimizers built for the purpose and thrown away."""
-        return self._optimizer_config().effective_lrs(self.muon_routing())
+        return _optimizer_config(self).effective_lrs(self.muon_routing())
 
     # -------------------------------------------------------------- optimizers
 
@@ -189,12 +191,12 @@ class MuonMixin(_LightningModuleBase):
         """``[muon, adamw]`` over the routed param groups (only AdamW when ``muon=None``), with their schedulers.
 
         A step of either inside the parent's ``training_step`` is refused before it moves a weight."""
-        config = self._optimizer_config()
-        built, schedulers = build_optimizers(self, self.muon_routing(), config, self._muon_fit)
-        optimizers = list(built.values())
-        self._muon_loop.optimizers_built(self, optimizers)
+        config = _optimizer_config(self)
+        pair, schedulers = build_optimizers(self, self.muon_routing(), self.muon_routing, config, self._muon_fit)
+        self._muon_pair, optimizers = pair, list(pair.optimizers.values())
+        self._muon_loop.optimizers_built(self, optimizers, pair.scheduled_groups)
         if self._muon_fit is not None:
-            self._muon_fit.configure_optimizers(config, built, schedulers, self.muon_routing)
+            self._muon_fit.configure_optimizers(pair, schedulers)
         return (optimizers, schedulers) if config.lr_scheduler_factory is not None else optimizers
 
     # ------------------------------------------------------------------ a fit
@@ -202,7 +204,7 @@ class MuonMixin(_LightningModuleBase):
     def configure_callbacks(self) -> Any:
         callbacks = super().configure_callbacks()
         if self.trainer.state.fn == "fit":  # Lightning's manual-optimization checks come next
-            self._muon_fit = FitState.start(self, self._muon_config, functools.partial(self._load_roles, resuming=True))
+            self._muon_fit = FitState.start(self, self._muon_config, self._load_record)
         return callbacks
 
     def setup(self, stage: str) -> None:
@@ -224,6 +226,8 @@ class MuonMixin(_LightningModuleBase):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> Any:
         self._muon_loop.on_train_batch_start(self)
+        if self._muon_fit is not None:
+            self._muon_fit.on_train_batch_start()
         return super().on_train_batch_start(batch, batch_idx)
 
     def on_train_epoch_end(self) -> None:
@@ -235,13 +239,6 @@ class MuonMixin(_LightningModuleBase):
             self._muon_config = self._muon_fit.teardown(self, self._muon_config)
             self._muon_fit = None
         super().teardown(stage)
-
-    def _optimizer_config(self) -> MuonConfig:
-        """The config the optimizers are built from: with ``parent_lr=True``, at the parent's lr and weight decay."""
-        config = self._muon_config
-        if not config.parent_lr:
-            return config
-        return config.with_lr(*_checks.parent_lr(self, _checks.own_classes(type(self), MuonMixin)))
 
     def _muon_step(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """The parent's ``step`` under the update loop; the first batch of a fit with Muon is followed first."""
@@ -291,7 +288,7 @@ class MuonMixin(_LightningModuleBase):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint[_checkpoint.CHECKPOINT_KEY] = checkpoint_record(
-            self, self._muon_config, self._muon_roles, self._muon_loop.state_dict(), self._muon_fit)
+            self, self._muon_config, self._muon_roles, self._muon_loop.state_dict(), self._muon_pair)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -302,15 +299,24 @@ class MuonMixin(_LightningModuleBase):
             return
         if trainer is None:  # built by load_from_checkpoint: the settings its hyperparameters could not hold
             self._muon_config = settings_from_checkpoint(checkpoint, saved, self._muon_config, MuonMixin)
-        self._load_roles(saved, resuming)
+        if (roles := _checkpoint.saved_roles(saved, resuming, _checkpoint.stepped(checkpoint))) is not None or resuming:
+            self._muon_roles = roles
         if resuming:  # optimizer states follow: they must meet the parameters they were saved for
             check_resume(self, checkpoint, saved, self.muon_routing(), self._muon_fit)
         self._muon_loop.load_state_dict(saved)
 
-    def _load_roles(self, saved: dict[str, Any], resuming: bool) -> None:
-        """Take the roles a checkpoint's record trained with; a fit's optimizers, where built already (FSDP2
-        restores after setup) and still without state, then hold the routing they give."""
-        if (roles := saved_roles(saved, resuming)) is not None:
-            self._muon_roles = roles
-        if resuming and self._muon_fit is not None:
-            self._muon_fit.hold(self.trainer, self.muon_routing())
+    def _load_record(self, saved: dict[str, Any]) -> None:
+        """A distributed checkpoint's record, before its optimizer states load: take its roles, and the fit's
+        optimizers, built already, hold its groups."""
+        self._muon_roles = _checkpoint.saved_roles(saved, resuming=True)
+        if self._muon_fit is not None:
+            self._muon_fit.restore(self.trainer, saved, self.muon_routing())
+
+
+def _optimizer_config(module: MuonMixin) -> MuonConfig:
+    """The config ``module``'s optimizers are built from: with ``parent_lr=True``, at the parent's lr and weight
+    decay."""
+    config = module._muon_config
+    if not config.parent_lr:
+        return config
+    return config.with_lr(*_checks.parent_lr(module, _checks.own_classes(type(module), MuonMixin)))

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_muon.optim._dtensor import Part, matrix_parts, tiles
+from lightning_muon.optim._dtensor import Part, matrix_parts, shards_matrix, tiles
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -112,24 +112,12 @@ def sharded_world(params: Sequence[Tensor], mesh: DeviceMesh | None = None) -> W
 def _known(placements: tuple, ndim: int) -> bool:
     """Whether ``placements`` on a mesh of ``ndim`` dims are a layout the owner exchange knows (`sharded_world`)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    def shards(placement: object) -> bool:  # a shard of the matrix's rows or columns
-        return isinstance(placement, (Shard, _StridedShard)) and placement.dim in (0, 1)
 
     if ndim == 1:
-        return shards(placements[0])
+        return shards_matrix(placements[0])
     if isinstance(placements[0], Replicate):
         return type(placements[1]) is Shard and placements[1].dim == 0
-    return all(shards(p) for p in placements)
-
-
-def any_rank(flags: list[bool], device: torch.device, group: dist.ProcessGroup | None = None) -> list[bool]:
-    """Element-wise OR of ``flags`` over all ranks of ``group`` (one small all-reduce of a tensor on ``device``;
-    reading it back waits for that device: on an accelerator, for everything queued before it)."""
-    tensor = torch.tensor(flags, dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return [bool(x) for x in tensor.tolist()]
+    return all(shards_matrix(p) for p in placements)
 
 
 class Agreement(NamedTuple):

@@ -1,5 +1,12 @@
-"""What the maths, the plan and the exchanges need to know of sharding: whether a tensor is a DTensor, and which
-part of its matrix each rank's shard holds (`matrix_parts`)."""
+"""What the maths, the plan, the exchanges, the attention clip and the first-batch trace need to know of sharding:
+whether a tensor is a DTensor, which part of its matrix each rank's shard holds (`matrix_parts`), whether a
+placement shards a matrix's rows or columns (`shards_matrix`), a DTensor's local shard as the forward holds it
+(`local_tensor`).
+
+The one module that reads torch's private DTensor API (``_compute_local_shape_and_global_offset``,
+``_StridedShard``, ``DTensor._local_tensor``): every subpackage may import it, and ``tests/test_layout.py`` keeps
+those names here, as ``lightning/_compat.py`` keeps Lightning's private API.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +29,22 @@ def is_dtensor(tensor: Tensor) -> bool:
     except ImportError:  # pragma: no cover - torch without distributed
         return False
     return isinstance(tensor, DTensor)
+
+
+def shards_matrix(placement: object) -> bool:
+    """Whether ``placement`` shards a matrix's rows or columns (``Shard(0)``, ``Shard(1)``, and the strided shards
+    FSDP2 makes over tensor parallelism)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, (Shard, _StridedShard)) and placement.dim in (0, 1)
+
+
+def local_tensor(tensor: object) -> Tensor | None:
+    """A DTensor's local shard, read as an attribute (no torch call, so no dispatch a trace would see); ``None``
+    for anything else."""
+    local = getattr(tensor, "_local_tensor", None)
+    return local if isinstance(local, Tensor) else None
 
 
 def world_placements(tensor: Tensor) -> tuple[tuple[int, ...], tuple[Any, ...]]:

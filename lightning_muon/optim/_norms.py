@@ -1,4 +1,6 @@
-"""Norms, finiteness and clipping over a mix of plain tensors and DTensors on one or several meshes.
+"""Norms, finiteness and clipping over a mix of plain tensors and DTensors on one or several meshes, and the
+one-flag-per-tensor agreement of the ranks (`any_rank`). Plumbing every subpackage may import (the mixin's update
+loop and checks, the monitor), with `lightning_muon.optim._dtensor`.
 
 Under tensor parallelism (Lightning's ``ModelParallelStrategy`` with ``parallelize_module``) a model's
 parameters are DTensors where the plan shards them and plain tensors elsewhere (its embedding, norms and head in
@@ -15,6 +17,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lightning_muon.optim._dtensor import is_dtensor
@@ -67,3 +70,11 @@ def is_finite(tensor: Tensor) -> bool:
     """Whether every element of ``tensor`` is finite (a DTensor's whole matrix: every rank of its mesh calls it)."""
     whole = tensor.full_tensor() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
     return bool(torch.isfinite(whole).all())
+
+
+def any_rank(flags: list[bool], device: torch.device, group: dist.ProcessGroup | None = None) -> list[bool]:
+    """Element-wise OR of ``flags`` over all ranks of ``group`` (one small all-reduce of a tensor on ``device``;
+    reading it back waits for that device: on an accelerator, for everything queued before it)."""
+    tensor = torch.tensor(flags, dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return [bool(x) for x in tensor.tolist()]

@@ -41,11 +41,11 @@ from lightning_muon.optim._collectives import (
     ExchangeBuffers,
     World,
     all_gather_results,
-    any_rank,
     gather_to_owners,
     make_agreement,
     scatter_from_owners,
 )
+from lightning_muon.optim._norms import any_rank
 from lightning_muon.optim._plan import (
     Job,
     PlanCache,

@@ -30,10 +30,10 @@ from lightning_muon.routing._roles import find_output_heads
 from lightning_muon.routing._route import Route
 from lightning_muon.routing._routing import Routing
 from lightning_muon.routing._rules import check_pattern_list, route_parameters
-from lightning_muon.routing._trace import GraphRoles, trace_roles, trace_step
-from lightning_muon.routing._vocabulary import ADAMW, MUON, Algorithm, Rule
+from lightning_muon.routing._trace import GraphRoles, loss_in, trace_roles, trace_step
+from lightning_muon.routing._vocabulary import ADAMW, MUON, Algorithm, Group, Rule
 
 __all__ = [
-    "ADAMW", "MUON", "Algorithm", "GraphRoles", "Route", "Routing", "Rule", "check_pattern_list",
-    "find_output_heads", "route_parameters", "trace_roles", "trace_step",
+    "ADAMW", "MUON", "Algorithm", "GraphRoles", "Group", "Route", "Routing", "Rule", "check_pattern_list",
+    "find_output_heads", "loss_in", "route_parameters", "trace_roles", "trace_step",
 ]

@@ -10,15 +10,12 @@ from torch import Tensor
 
 from lightning_muon.routing import _table
 from lightning_muon.routing._route import Route
-from lightning_muon.routing._vocabulary import Algorithm
+from lightning_muon.routing._vocabulary import Algorithm, Group
 
 __all__ = ["Route", "Routing"]
 
 #: Group names, in the order the groups are returned.
-_GROUP_ORDER = {
-    Algorithm.MUON: ("hidden",),
-    Algorithm.ADAMW: ("hidden", "adapters", "embeddings", "input", "head", "norms_and_biases", "other"),
-}
+_GROUP_ORDER = {Algorithm.MUON: (Group.HIDDEN,), Algorithm.ADAMW: tuple(Group)}
 
 
 @dataclass
@@ -45,7 +42,7 @@ class Routing:
             routes = [r for r in self.routes if r.optimizer is algorithm and r.group == group]
             if not routes:
                 continue
-            groups.append({"name": group, "params": [(r.name, self.params[r.name]) for r in routes]})
+            groups.append({"name": group.value, "params": [(r.name, self.params[r.name]) for r in routes]})
             if any(r.layout != "flatten" for r in routes):  # only where needed: plain groups stay as they were
                 groups[-1]["matrix_layouts"] = [r.layout for r in routes]
         return groups

@@ -41,7 +41,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["MATRIX_OPS", "GraphRoles", "RoleTrace", "trace_roles", "trace_step"]
+from lightning_muon.optim._dtensor import local_tensor
+
+__all__ = ["MATRIX_OPS", "GraphRoles", "RoleTrace", "loss_in", "trace_roles", "trace_step"]
 
 #: The recurrent layers' calls: all their matrices in one call.
 _RECURRENT = frozenset(
@@ -241,8 +243,8 @@ class RoleTrace(TorchFunctionMode):
         parallelism wraps the batch into DTensors (``DTensor.from_local``) and unwraps outputs (``to_local``) in
         calls the mode does not see, only the views of the local tensor inside them."""
         for t in tensors:
-            local = getattr(t, "_local_tensor", None)  # DTensor's own attribute: asking for it is no torch call
-            if not isinstance(local, Tensor):
+            local = local_tensor(t)
+            if local is None:
                 continue
             for facts in (self._weights, self._from_batch, self._carried):
                 if t in facts and local not in facts:
@@ -324,10 +326,20 @@ def trace_step(module: nn.Module, batch: Any, step: Callable[[], Any],
         return output, GraphRoles(note=f"the trace failed on the step's output: {error!r}")
 
 
+def loss_in(output: Any) -> Tensor | None:
+    """The loss a ``training_step`` returned (a tensor, or a dict's ``"loss"``); ``None`` if it holds none. The one
+    reading of a step's output: the update loop, the first-batch trace and ``lightning-muon inspect`` use it."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None
+
+
 def trace_roles(module: nn.Module, batch: Any, loss_of: Callable[[Any], Any]) -> GraphRoles:
     """The roles of ``module``'s matrices from one forward: ``loss_of(batch)`` computes the loss (a tensor).
 
     A pure step: the forward runs once, unchanged, and nothing of ``module`` is modified. Where the forward cannot
     be followed, the roles hold no verdict (their ``note`` says why) and routing keeps its structural rules."""
-    _, roles = trace_step(module, batch, lambda: loss_of(batch), lambda out: out if isinstance(out, Tensor) else None)
+    _, roles = trace_step(module, batch, lambda: loss_of(batch), loss_in)
     return roles

@@ -1,12 +1,12 @@
 """The routing's vocabulary, one name per concept everywhere (code, table, logs, checkpoints): `Algorithm`, where
-a parameter goes, and `Rule`, which rule sent it there."""
+a parameter goes, `Group`, the param group it joins there, and `Rule`, which rule sent it there."""
 
 from __future__ import annotations
 
 from enum import Enum
 from typing import Final
 
-__all__ = ["ADAMW", "MUON", "Algorithm", "Rule"]
+__all__ = ["ADAMW", "MUON", "Algorithm", "Group", "Rule"]
 
 
 class _Named(str, Enum):
@@ -71,6 +71,26 @@ class Rule(_Named):
     STRUCTURE = "structure"
     #: The tensor's layout and number of dimensions.
     SHAPE = "shape"
+
+
+class Group(_Named):
+    """The param groups the routing makes (`lightning_muon.routing.Routing.groups`), in the order it returns them;
+    the value is the group's ``name`` (what `MuonMonitor` logs as ``lr-<optimizer>/<name>``)."""
+
+    #: Hidden matrices (Muon's only group; on AdamW with ``muon=None``).
+    HIDDEN = "hidden"
+    #: What an adapter method trains beside a frozen model and the routing puts on AdamW (PEFT's ``lora_B``).
+    ADAPTERS = "adapters"
+    #: Token and position tables, and weights tied to them.
+    EMBEDDINGS = "embeddings"
+    #: Input layers: the matrices that read the batch.
+    INPUT = "input"
+    #: Output heads: the matrices whose outputs reach the loss through no other matrix.
+    HEAD = "head"
+    #: Norm layers' weights and every bias.
+    NORMS_AND_BIASES = "norms_and_biases"
+    #: What no other group names (a kernel or a stack torch.optim.Muon cannot take, ...).
+    OTHER = "other"
 
 
 #: Muon's name as a plain ``str``, where a record is saved (a checkpoint's routing is keyed by it).

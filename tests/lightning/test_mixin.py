@@ -144,14 +144,18 @@ def test_subclass_defining_configure_optimizers_fails_at_class_definition():
                 return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_the_mixin_adds_four_prefixed_attributes_to_the_module_and_no_more(tmp_path):
+MIXIN_ATTRIBUTES = {"_muon_config", "_muon_loop", "_muon_roles", "_muon_pair", "_muon_fit"}
+
+
+def test_the_mixin_adds_five_prefixed_attributes_to_the_module_and_no_more(tmp_path):
     """The user's module keeps its own namespace: the mixin's state is `_muon_config`, `_muon_loop`, what the
-    first batch showed (`_muon_roles`) and the fit's `_muon_fit`, set only during a fit (besides what Lightning's
-    own save_hyperparameters writes, which the mixin calls)."""
+    first batch showed (`_muon_roles`), the optimizer pair it last built (`_muon_pair`, kept after the fit for its
+    checkpoints) and the fit's `_muon_fit`, set only during a fit (besides what Lightning's own save_hyperparameters
+    writes, which the mixin calls)."""
     # The private names are what this test is about: the module's namespace, not the mixin's behaviour.
     plain, model = DeepBoring(), MuonBoring()
     plain.save_hyperparameters({"lr": 0.1})
-    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_roles", "_muon_fit"}
+    assert set(vars(model)) - set(vars(plain)) == MIXIN_ATTRIBUTES
     assert model._muon_fit is None
 
     class Spy(L.Callback):
@@ -161,6 +165,7 @@ def test_the_mixin_adds_four_prefixed_attributes_to_the_module_and_no_more(tmp_p
     fits: list = []
     make_trainer(tmp_path, max_steps=3, callbacks=[Spy()]).fit(model)
     make_trainer(tmp_path / "plain", max_steps=3).fit(plain)
-    assert set(vars(model)) - set(vars(plain)) == {"_muon_config", "_muon_loop", "_muon_roles", "_muon_fit"}
+    assert set(vars(model)) - set(vars(plain)) == MIXIN_ATTRIBUTES
     assert len(fits) == 3 and fits[0] is not None and all(f is fits[0] for f in fits)  # one state for the fit
     assert model._muon_fit is None  # dropped at teardown
+    assert list(model._muon_pair.optimizers.values()) == [o.optimizer for o in model.optimizers()]
