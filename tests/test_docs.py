@@ -269,6 +269,11 @@ RUN = {
     "lightning_muon.callbacks.clock.WallClock#0": ("WallClock", "CSVLogger"),
     "lightning_muon.attention.layout.QKLayout#0": ("nn", "F", "QKLayout", "QKProjection", "record_qk"),
     "lightning_muon.lightning.mixin#0": ("MuonMixin", "MyExistingModule"),
+    # the core classes' examples stand alone: they import what they use
+    "lightning_muon.lightning.mixin.MuonMixin#0": (),
+    "lightning_muon.optim.muon.Muon#1": (),  # #0 is the update rule, a text block
+    "lightning_muon.combined.muon_with_adamw.MuonWithAdamW#0": (),
+    "lightning_muon.routing._rules.route_parameters#0": (),
 }
 #: The Python blocks that only parse, and why they cannot run on their own.
 PARSE_ONLY = {
