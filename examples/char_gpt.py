@@ -223,13 +223,16 @@ def pretrained_weights(path: str | os.PathLike) -> dict[str, Tensor]:
 
 
 def result_line(trainer: L.Trainer, name: str) -> str:
-    """``NAME: val_loss 1.7090, val_bpb 2.4655 after 300 steps; checkpoint and metrics in DIR`` ("" before any
-    validation): the logger's directory and the checkpoint directory, relative to the working directory."""
+    """``NAME: val_loss 1.7090, val_bpb 2.4655 after 300 steps; checkpoint and metrics in DIR``: the logger's
+    directory and the checkpoint directory, relative to the working directory. A fit that ran no validation (a
+    smoke run with ``--trainer.max_steps 2``) says so instead, with the flag that makes one run."""
     metrics = trainer.callback_metrics
-    if "val_loss" not in metrics:
-        return ""
-    line = (f"{name}: val_loss {float(metrics['val_loss']):.4f}, val_bpb {float(metrics['val_bpb']):.4f} "
-            f"after {trainer.global_step} steps")
+    if "val_loss" in metrics:
+        line = (f"{name}: val_loss {float(metrics['val_loss']):.4f}, val_bpb {float(metrics['val_bpb']):.4f} "
+                f"after {trainer.global_step} steps")
+    else:
+        line = (f"{name}: trained {trainer.global_step} steps, no validation ran (add "
+                f"--trainer.val_check_interval {trainer.global_step} for one at the end)")
     logs = _shown(trainer.log_dir) if trainer.logger is not None else None
     checkpoint = trainer.checkpoint_callback
     saved = _shown(getattr(checkpoint, "dirpath", None)) if checkpoint is not None else None

@@ -124,10 +124,10 @@ def test_no_page_shows_a_constant_s_name_as_a_default(api_pages):
 
 
 @pytest.mark.parametrize(("page", "path"), [
-    ("optimizers", "lightning_muon.optim.muon.Muon"),
-    ("optimizers", "lightning_muon.combined.muon_with_adamw.MuonWithAdamW"),
-    ("lightning", "lightning_muon.lightning.mixin.MuonMixin"),
-    ("maths", "lightning_muon.optim.zeropower_via_newtonschulz"),
+    ("optimizers", "lightning_muon.Muon"),
+    ("optimizers", "lightning_muon.MuonWithAdamW"),
+    ("lightning", "lightning_muon.MuonMixin"),
+    ("maths", "lightning_muon.zeropower_via_newtonschulz"),
     ("attention", "lightning_muon.attention.QKClipper"),
 ], ids=lambda value: value.rsplit(".", 1)[-1])
 def test_a_signature_shows_the_values_its_defaults_evaluate_to(api_pages, page, path):
@@ -139,8 +139,58 @@ def test_a_signature_shows_the_values_its_defaults_evaluate_to(api_pages, page, 
 
 
 def test_muon_s_signature_shows_its_default_lr(api_pages):
-    rendered = signature_defaults(rendered_signature(api_pages["optimizers"], "lightning_muon.optim.muon.Muon"))
+    rendered = signature_defaults(rendered_signature(api_pages["optimizers"], "lightning_muon.Muon"))
     assert ast.literal_eval(rendered["lr"]) == defaults.MUON_CLASS.lr
+
+
+@pytest.fixture(scope="module")
+def site_pages(site) -> dict[str, str]:
+    """Every built page's HTML, by its path in the site."""
+    result, site_dir = site
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {page.relative_to(site_dir).as_posix(): page.read_text() for page in site_dir.rglob("*.html")}
+
+
+def private_paths(html_text: str) -> list[str]:
+    """The dotted ``lightning_muon`` paths of a page's heading ids and cross-reference links (``href="...#path"``)
+    that pass through a ``_`` module (``lightning_muon.optim._choice.StrategyInfo``)."""
+    paths = re.findall(r'<h\d id="(lightning_muon[\w.]*)"', html_text)
+    paths += re.findall(r'href="[^"]*#(lightning_muon[\w.]*)"', html_text)
+    return sorted({path for path in paths if any(part.startswith("_") for part in path.split(".")[:-1])})
+
+
+def test_no_heading_or_cross_reference_carries_a_private_module_path(site_pages):
+    assert len(site_pages) > 20
+    assert private_paths('<h2 id="lightning_muon.optim._choice.StrategyInfo">') == [
+        "lightning_muon.optim._choice.StrategyInfo"]
+    assert private_paths('<a href="../api/#lightning_muon.optim.StrategyInfo">') == []
+    found = {name: private_paths(text) for name, text in site_pages.items()}
+    assert {name: paths for name, paths in found.items() if paths} == {}
+
+
+def test_the_api_reference_renders_under_the_paths_users_import(api_pages):
+    ids = {i for page in api_pages.values() for i in re.findall(r'<h\d id="([\w.]+)"', page)}
+    for name in lightning_muon.__all__:
+        assert f"lightning_muon.{name}" in ids, name
+    assert "lightning_muon.optim.StrategyInfo" in ids
+
+
+@pytest.mark.parametrize("page", sorted((DOCS / "api").glob("*.md")), ids=lambda p: p.name)
+def test_every_api_page_shows_the_import_line_of_what_it_renders(page):
+    text = page.read_text()
+    rendered = re.findall(r"^::: ([\w.]+)", text, flags=re.MULTILINE)
+    if not rendered:
+        return  # the index
+    (block,) = python_blocks(text)
+    namespace: dict = {}
+    exec(compile(block, str(page), "exec"), namespace)
+    for path in rendered:
+        module, _, name = path.rpartition(".")
+        shown = getattr(__import__(module, fromlist=[name]), name)
+        if inspect.ismodule(shown):  # a whole module's page: the module, or names from it
+            assert namespace.get(name) is shown or f"from {path} import" in block, path
+        else:
+            assert namespace.get(name) is shown, path
 
 
 def literal_markers(page: str) -> list[str]:
@@ -219,6 +269,11 @@ RUN = {
     "lightning_muon.callbacks.clock.WallClock#0": ("WallClock", "CSVLogger"),
     "lightning_muon.attention.layout.QKLayout#0": ("nn", "F", "QKLayout", "QKProjection", "record_qk"),
     "lightning_muon.lightning.mixin#0": ("MuonMixin", "MyExistingModule"),
+    # the core classes' examples stand alone: they import what they use
+    "lightning_muon.lightning.mixin.MuonMixin#0": (),
+    "lightning_muon.optim.muon.Muon#1": (),  # #0 is the update rule, a text block
+    "lightning_muon.combined.muon_with_adamw.MuonWithAdamW#0": (),
+    "lightning_muon.routing._rules.route_parameters#0": (),
 }
 #: The Python blocks that only parse, and why they cannot run on their own.
 PARSE_ONLY = {
@@ -312,46 +367,65 @@ def test_text_glued_under_a_table_is_caught():
     assert glued_to_a_table("| a | b |\n|---|---|\n| 1 | 2 |\n\napart\n") == []
 
 
+def misindented_list_items(text: str) -> list[str]:
+    """List items (outside code blocks) indented by a number of spaces that is not a multiple of 4: Python-Markdown
+    nests a list only 4 spaces in, so a sub-list 3 spaces in renders as more items of the list above it."""
+    found, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced and (match := re.match(r"^( +)(?:[-*+]|\d+\.) ", line)) and len(match.group(1)) % 4:
+            found.append(line)
+    return found
+
+
+@pytest.mark.parametrize("page", [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))], ids=lambda p: p.name)
+def test_every_nested_list_is_indented_to_nest(page):
+    assert misindented_list_items(page.read_text()) == []
+
+
+def test_a_list_nested_three_spaces_in_is_caught():
+    assert misindented_list_items("1. one\n   - sub\n2. two\n") == ["   - sub"]
+    assert misindented_list_items("1. one\n    - sub\n2. two\n```\n   - code\n```\n") == []
+
+
+def test_the_mixin_s_update_renders_as_its_seven_steps(site_pages):
+    """The ordered list of the mixin guide's update, as a browser shows it: 7 steps, two bullets under step 4."""
+    page = site_pages["guides/mixin/index.html"]
+    ordered = page[page.index("<ol>"):]
+    depth, items, position = 0, 0, 0
+    for tag in re.finditer(r"<(/?)(ol|ul|li)\b", ordered):
+        closing, name = tag.group(1), tag.group(2)
+        if name in ("ol", "ul"):
+            depth += -1 if closing else 1
+            if depth == 0:
+                break
+        elif not closing and depth == 1:
+            items += 1
+        position = tag.end()
+    assert items == 7, ordered[:position]
+    source = (DOCS / "guides" / "mixin.md").read_text()
+    assert len(re.findall(r"^[1-7]\. \*\*", source, re.MULTILINE)) == 7
+
+
 #: The pages whose Python blocks the tests run, and how many each has: the guides' in the tests that read them
 #: (tests/test_readme.py, tests/optim/test_one_optimizer_readme.py, tests/attention/test_qk_readme.py,
-#: tests/routing/test_routing_guide.py), the ten-line example of the README and the getting-started page here.
+#: tests/routing/test_routing_guide.py, tests/test_migration.py, tests/test_getting_started.py: the getting-started
+#: page and the README's ten lines), and the API pages' import lines here.
 RUN_BY_TESTS = {"guides/plain-pytorch.md": 2, "guides/one-optimizer.md": 3, "guides/qk-clip.md": 2,
-                "guides/routing.md": 1, "index.md": 1}
+                "guides/routing.md": 1, "guides/migration.md": 7, "index.md": 3, "api/optimizers.md": 1,
+                "api/lightning.md": 1, "api/maths.md": 1, "api/routing.md": 1, "api/attention.md": 1,
+                "api/groups.md": 1}
 
 
 def test_every_python_block_is_run_by_a_test():
     pages = {page.relative_to(DOCS).as_posix(): page.read_text() for page in DOCS.rglob("*.md")}
     counts = {name: text.count("```python\n") for name, text in pages.items() if "```python\n" in text}
     assert counts == RUN_BY_TESTS
-    assert python_blocks((ROOT / "README.md").read_text()) == python_blocks(pages["index.md"])
 
 
 def python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, re.S)
-
-
-def test_the_ten_line_example_trains(monkeypatch, tmp_path):
-    """The README's (and the getting-started page's) ten lines, shortened to 2 updates, with a module and data
-    of the tests' standing in for ``MyExistingModule`` and ``dm``."""
-    import lightning as L
-
-    from helpers import Regression, sine_regression_loader
-
-    class MyExistingModule(Regression):
-        def __init__(self, hidden: int = 16) -> None:
-            super().__init__(widths=(hidden, hidden))
-
-    class SineData(L.LightningDataModule):
-        def train_dataloader(self):
-            return sine_regression_loader(self.trainer, samples=16, batch_size=4)
-
-    trainer = L.Trainer
-    monkeypatch.setattr(L, "Trainer", lambda **kwargs: trainer(
-        **{**kwargs, "max_steps": 2, "default_root_dir": str(tmp_path), "enable_progress_bar": False}))
-    (block,) = python_blocks((DOCS / "index.md").read_text())
-    namespace = {"MyExistingModule": MyExistingModule, "dm": SineData()}
-    exec(compile(block, "docs/index.md", "exec"), namespace)
-    assert namespace["trainer"].global_step == 2 and namespace["model"].muon_routing().names("Muon")
 
 
 def test_the_readme_names_pages_that_exist():

@@ -28,13 +28,18 @@ def test_the_section_has_both_loops():
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["plain PyTorch", "Fabric"])
-def test_a_loop_without_the_trainer_learns(index, capsys):
+def test_a_loop_without_the_trainer_learns_and_prints_what_the_page_shows(index, capsys):
     torch.manual_seed(0)
     namespace: dict = {}
     block = python_blocks("Without the Trainer")[index]
     exec(compile(block, f"docs/guides/plain-pytorch.md block {index}", "exec"), namespace)
     assert namespace["loss"].item() < 0.5  # from about ln(16) = 2.77
     assert namespace["routing"].names("Muon") == ["2.weight", "4.weight"]
+    (shown,) = re.findall(r"```text\n(.*?)```", section("Without the Trainer"), re.S)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == shown.splitlines()[0]  # the routing: exact
+    number = re.compile(r"\d+\.\d+")
+    assert [number.sub("N", line) for line in printed[1:]] == [number.sub("N", line) for line in shown.splitlines()[1:]]
 
 
 def test_the_fabric_example_module_learns():

@@ -43,6 +43,7 @@ NOT_MESSAGES = {
     "lightning-muon configs --copy NAME",
     "lightning-muon inspect --config FILE",
     "lightning-muon convert-checkpoint DIR last.ckpt",
+    "lightning-muon fit --config gpt_adamw.yaml",
     "q.unflatten(-1, (heads, head_dim)).transpose(1, 2)",
     "(batch, 1, T, S)",
 }
@@ -245,19 +246,22 @@ def found_in(quote: str, texts: str) -> bool:
     return quote_pattern(quote).search(texts) is not None
 
 
-_BOLD = re.compile(r"^\*\*(`+) ?(.+?) ?\1\*\*$", re.MULTILINE)
+#: An entry: a ``###`` heading that is one code span, the message (a heading: in the table of contents and the
+#: search index, and a link of its own). `BOLD_ENTRY` is the form entries had before, still read as one.
+_ENTRY = re.compile(r"^(?:### (`+) ?(.+?) ?\1|\*\*(`+) ?(.+?) ?\3\*\*)$", re.MULTILINE)
+BOLD_ENTRY = re.compile(r"^\*\*`.*`\*\*$", re.MULTILINE)
 _CODE = re.compile(r"(?<!`)(`+)(?!`)(.+?)(?<!`)\1(?!`)", re.DOTALL)
 
 
 def entries(text: str) -> list[str]:
-    """The quotes of a page's entries: the code span each bold line is."""
-    return [_spaced(match.group(2)) for match in _BOLD.finditer(text)]
+    """The quotes of a page's entries: the code span each entry's heading is."""
+    return [_spaced(match.group(2) or match.group(4)) for match in _ENTRY.finditer(text)]
 
 
 def inline_quotes(text: str) -> list[str]:
-    """The code spans of a page's paragraphs (bold lines left out) with four words or more: the messages quoted
-    inside an entry, and a few commands and code (`NOT_MESSAGES`)."""
-    spans = (_spaced(match.group(2)) for match in _CODE.finditer(_BOLD.sub("", text)))
+    """The code spans of a page's paragraphs (entries' headings left out) with four words or more: the messages
+    quoted inside an entry, and a few commands and code (`NOT_MESSAGES`)."""
+    spans = (_spaced(match.group(2)) for match in _CODE.finditer(_ENTRY.sub("", text)))
     return [span for span in spans if len(span.split()) >= 4]
 
 
@@ -296,6 +300,20 @@ def test_every_message_quoted_inside_an_entry_is_worded_so(quote):
 def test_what_is_not_a_message_is_on_the_page_and_not_in_the_source():
     assert set(inline_quotes(PAGE_TEXT)) >= NOT_MESSAGES, "a NOT_MESSAGES span is no longer on the page"
     assert [span for span in NOT_MESSAGES if found_in(span, source_texts())] == [], "a message after all"
+
+
+def test_every_entry_is_a_heading():
+    """A bold line is not in the table of contents or the search index and cannot be linked: write ``### `...```."""
+    assert BOLD_ENTRY.findall(PAGE_TEXT) == []
+    assert entries("**`old form ...`**\n\n### `new form ...`\n") == ["old form ...", "new form ..."]
+    assert BOLD_ENTRY.findall("**`old form ...`**\n") == ["**`old form ...`**"]
+
+
+def test_the_page_starts_from_symptoms():
+    symptoms = PAGE_TEXT.split("## Symptoms\n", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^### (.+)$", symptoms, re.MULTILINE) == [
+        "Muon is slower per step than AdamW", "My loss got worse after switching to Muon", "Which lr should I use?",
+        "Does it run on a GPU?"]
 
 
 # ------------------------------------------------------------------------------------------------ completeness
@@ -376,8 +394,8 @@ def test_the_matcher_refuses_a_made_up_word_in_a_real_quote():
 
 def test_the_page_is_read_as_entries_and_the_messages_inside_them():
     text = (
-        "# Page\n\n**`first message ...`**\n\nIt means `the second message, quoted here` and `code`.\n\n"
-        "**``parameter `...` matches ...``**\n\nThe `other message of\nthe library` says so.\n"
+        "# Page\n\n### `first message ...`\n\nIt means `the second message, quoted here` and `code`.\n\n"
+        "### ``parameter `...` matches ...``\n\nThe `other message of\nthe library` says so.\n"
     )
     assert entries(text) == ["first message ...", "parameter `...` matches ..."]
     assert inline_quotes(text) == ["the second message, quoted here", "other message of the library"]

@@ -63,6 +63,23 @@ class MuonWithAdamW(Optimizer):
     routing overrides, glob patterns on full parameter names (only with a model: see
     `lightning_muon.route_parameters`).
 
+    Examples:
+        One optimizer over the whole model, routed, for code that takes one (automatic optimization,
+        transformers' ``Trainer(optimizers=...)``):
+
+        ```python
+        import torch
+        from torch import nn
+        from lightning_muon import MuonWithAdamW
+
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+        optimizer = MuonWithAdamW(model, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32)
+        x = torch.randn(32, 16)
+        (model(x) - x.sum(1, keepdim=True)).pow(2).mean().backward()
+        optimizer.step()
+        print(optimizer.routing.names("Muon"))  # ['2.weight']
+        ```
+
     Args:
         params: the model (an ``nn.Module``: routed by `lightning_muon.route_parameters`, the groups named as
             its table), a `lightning_muon.Routing`, or param groups each with ``algorithm`` (their ``params``

@@ -11,7 +11,9 @@ The shipped configs are the repository's top-level ``configs/``: installed from 
 
 A config may name what it needs beyond the core dependencies in a comment line, ``# requires: scikit-learn
 [examples]`` (a distribution and the extra that installs it): the command stops before training when one is
-missing, with one line saying what to install.
+missing, with one line saying what to install. Likewise ``# needs: --model.init_from the checkpoint of the
+pretraining step (lightning-muon fit --config gpt_adamw.yaml)``: an argument the config cannot run without; the
+command stops in one line when neither the command line nor a config of the chain gives it a value.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import yaml
 
 _EXTENDS = re.compile(r"^#\s*extends:\s*(\S+)\s*$", re.MULTILINE)
 _REQUIRES = re.compile(r"^#\s*requires:\s*(\S+)\s*\[(\S+)\]\s*$", re.MULTILINE)
+_NEEDS = re.compile(r"^#\s*needs:\s*--(\S+)\s+(.+?)\s*$", re.MULTILINE)
 
 
 def _shipped_directory() -> Path:
@@ -76,7 +79,7 @@ def first_comment(path: Path) -> str:
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
             break
-        if not _EXTENDS.match(line) and not _REQUIRES.match(line):
+        if not _EXTENDS.match(line) and not _REQUIRES.match(line) and not _NEEDS.match(line):
             return line.lstrip("#").strip()
     return ""
 
@@ -96,6 +99,33 @@ def missing_requirements(chain: list[Path]) -> list[str]:
             except importlib.metadata.PackageNotFoundError:
                 lines.append(f"lightning-muon: {path.name} needs {distribution}, which is not installed: "
                              f'pip install "lightning-muon[{extra}]" (or pip install {distribution})')
+    return lines
+
+
+def _given(key: str, configs: dict[str, Any]) -> bool:
+    """Whether the merged ``configs`` hold a value other than null for the dotted ``key`` (``model.init_from``,
+    read as ``model.init_from`` or ``model.init_args.init_from``)."""
+    node: Any = configs
+    for part in key.split("."):
+        if isinstance(node, dict) and part not in node:
+            node = node.get("init_args", {})
+        if not isinstance(node, dict) or node.get(part) is None:
+            return False
+        node = node[part]
+    return True
+
+
+def missing_arguments(chains: list[list[Path]], argv: list[str]) -> list[str]:
+    """One line for each ``# needs: --KEY WHAT`` of a config in ``chains`` (each a ``--config`` and the files it
+    extends) that neither ``argv`` (``--KEY``, or with ``init_args.`` in it, with or without ``=``) nor any of
+    the configs give a value; the line names the ``--config`` as given."""
+    merged = _merge_files([path for chain in chains for path in chain])
+    lines = []
+    for chain in chains:
+        for key, what in (need for path in chain if path.is_file() for need in _NEEDS.findall(path.read_text())):
+            spellings = {f"--{key}", f"--{key.replace('.', '.init_args.', 1)}"}
+            if not any(arg.split("=", 1)[0] in spellings for arg in argv) and not _given(key, merged):
+                lines.append(f"lightning-muon: {chain[-1].name} needs --{key}: {what}")
     return lines
 
 
@@ -142,9 +172,11 @@ def config_chain(path: str | os.PathLike, _seen: tuple[Path, ...] = (), notes: l
 
 def expand_configs(argv: list[str], quiet: bool = False) -> list[str]:
     """Every ``--config FILE`` (or ``-c FILE``, ``--config=FILE``) preceded by the configs it extends, each a
-    path that exists or a shipped config's (one line on stderr says which shipped file, unless ``quiet``)."""
+    path that exists or a shipped config's (one line on stderr says which shipped file, unless ``quiet``). A
+    missing extra (`missing_requirements`) or needed argument (`missing_arguments`) stops it in one line each."""
     notes: list[str] = []
     expanded: list[str] = []
+    chains: list[list[Path]] = []
     args = iter(argv)
     for arg in args:
         if arg in ("-c", "--config"):
@@ -161,7 +193,11 @@ def expand_configs(argv: list[str], quiet: bool = False) -> list[str]:
             missing = missing_requirements(chain)
             if missing:
                 raise SystemExit("\n".join(missing))
+            chains.append(chain)
             expanded += [f"--config={p}" for p in chain]
+    missing = missing_arguments(chains, argv)
+    if missing:
+        raise SystemExit("\n".join(missing))
     if notes and not quiet:
         print("\n".join(notes), file=sys.stderr)
     return expanded
@@ -174,6 +210,12 @@ def merged_config(path: str | os.PathLike) -> dict[str, Any]:
     of the config; ``compare`` needs two keys of it before any fit starts.
     """
 
+    return _merge_files(config_chain(path))
+
+
+def _merge_files(chain: list[Path]) -> dict[str, Any]:
+    """The YAML files of ``chain`` merged key by key, later files winning."""
+
     def merge(base: dict, top: dict) -> dict:
         out = dict(base)
         for key, value in top.items():
@@ -181,6 +223,6 @@ def merged_config(path: str | os.PathLike) -> dict[str, Any]:
         return out
 
     merged: dict[str, Any] = {}
-    for file in config_chain(path):
+    for file in chain:
         merged = merge(merged, yaml.safe_load(Path(file).read_text()) or {})
     return merged

@@ -143,6 +143,25 @@ class Muon(Optimizer):
     p <- p - adjust_lr(lr, adjust_lr_fn, p.shape) * O
     ```
 
+    Examples:
+        Muon on the hidden matrices only (`lightning_muon.route_parameters` picks them), AdamW on the rest:
+
+        ```python
+        import torch
+        from torch import nn
+        from lightning_muon import Muon, route_parameters
+
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+        routing = route_parameters(model)  # 2.weight to Muon; the input layer, head and biases to AdamW
+        muon = Muon(routing.groups("Muon"), lr=0.02, ns_dtype=torch.float32)  # fp32 Newton-Schulz on a CPU
+        adamw = torch.optim.AdamW(routing.groups("AdamW"), lr=3e-3)
+        x = torch.randn(32, 16)
+        loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
+        loss.backward()
+        muon.step()
+        adamw.step()
+        ```
+
     Args:
         params: parameters, ``named_parameters()`` or param groups (extra keys
             such as ``name`` are kept). Every parameter needs at least 2 dimensions.

@@ -276,6 +276,17 @@ def route_parameters(
     ``muon_params=["*lora_B*"]`` puts it on Muon, ``adamw_params=["*lora_A*"]`` (or ``muon=None`` in the mixin)
     both on AdamW.
 
+    Examples:
+        ```python
+        from torch import nn
+        from lightning_muon import route_parameters
+
+        model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 256))
+        routing = route_parameters(model)
+        print(routing.names("Muon"))  # ['1.weight']: the embedding, the norm and the head go to AdamW
+        groups = routing.groups("Muon")  # param groups, for lightning_muon.Muon (and "AdamW" for torch's AdamW)
+        ```
+
     Raises:
         ValueError: a pattern matches nothing, a parameter matches both kinds
             of pattern, or a tensor Muon cannot take is forced to Muon.

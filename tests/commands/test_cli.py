@@ -453,6 +453,37 @@ def test_a_missing_extra_stops_before_training_naming_the_package_and_the_extra(
     assert "[needs" not in listing["gpt_muon.yaml"]
 
 
+@pytest.mark.parametrize("config", ["gpt_lora_muon.yaml", "gpt_lora_adamw.yaml"])
+def test_a_config_before_its_pretraining_step_stops_in_one_line_naming_it(config, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", config])
+    assert exit_info.value.code == (
+        f"lightning-muon: {config} needs --model.init_from: the checkpoint of the pretraining step: lightning-muon "
+        "fit --config gpt_adamw.yaml first, then --model.init_from "
+        "lightning_logs/gpt_adamw/version_0/checkpoints/epoch=0-step=300.ckpt"
+    )
+    assert not Path("lightning_logs").exists()  # nothing was trained
+    given = ["--config", config, "--model.init_from", "x.ckpt"]
+    assert expand_configs(given, quiet=True)[-2:] == ["--model.init_from", "x.ckpt"]
+    assert expand_configs([*given[:2], "--model.init_args.init_from=x.ckpt"], quiet=True)
+    own = tmp_path / "mine.yaml"  # a config of the user's that gives the checkpoint
+    own.write_text("model:\n  init_args:\n    init_from: x.ckpt\n")
+    assert expand_configs(["--config", config, "--config", str(own)], quiet=True)[-1] == f"--config={own}"
+
+
+def test_a_smoke_run_of_the_main_job_says_no_validation_ran_and_the_flag_that_runs_one(capsys, tmp_path):
+    short = ["--trainer.max_steps", "2", "--trainer.limit_val_batches", "2", "--data.init_args.max_bytes", "200000",
+             "--data.init_args.cache_dir", str(tmp_path / "cache"), "--trainer.enable_progress_bar", "false"]
+    main(["fit", "--config", "gpt_muon.yaml", *short])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == ("CharGPT: trained 2 steps, no validation ran (add --trainer.val_check_interval 2 for one at the "
+                    "end); checkpoint and metrics in lightning_logs/gpt_muon/version_0")
+    flag = re.search(r"add (--\S+ \d+)", last).group(1).split()
+    main(["fit", "--config", "gpt_muon.yaml", *short, *flag])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(RESULT_LINE.replace("5 steps", "2 steps").replace("version_0", "version_1"), last), last
+
+
 def test_an_example_without_its_extra_says_which_to_install(monkeypatch):
     from lightning_muon.examples import quickstart
 

@@ -1,0 +1,73 @@
+"""One source for every number: each benchmark figure the README and the docs quote is checked against the file in
+``benchmarks/results/`` it was measured in (every number of the quote is a number of that file, rounded as
+quoted), and figures that went stale stay gone."""
+
+from __future__ import annotations
+
+import re
+from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+#: (page, the figure as the page quotes it, the results file it comes from).
+FIGURES = [
+    ("README.md", "1.718 ± 0.004 (Muon + AdamW) vs 2.258 ± 0.006", "quality.md"),
+    ("README.md", "Muon reaches AdamW's final loss in 0.42x the steps", "quality.md"),
+    ("README.md", "transformers Llama 1.690 vs 2.070, GPT-2 1.953 vs 2.417", "third_party.md"),
+    ("README.md", "litgpt\n  1.749 vs 1.913", "third_party.md"),
+    ("README.md", "full 1.075 (Muon + AdamW) vs 1.207 (AdamW)", "finetune.md"),
+    ("README.md", "LoRA 1.272 (`lora_A` on Muon, `lora_B` on AdamW) vs 1.300 (AdamW)", "finetune.md"),
+    ("README.md", "0.73x the time of `torch.optim.Muon`", "optimizer_step.md"),
+    ("README.md", "the Newton-Schulz work per rank 0.49x (DDP, 2 ranks)", "distributed.md"),
+    ("README.md", "0.50 of one process's FLOPs under TP(2) and\n  0.25 under dp=2 x tp=2", "distributed_tp.md"),
+    ("README.md", "CharGPT: val_loss 1.7197", "compare_sweep/comparison.md"),  # val_bpb is val_loss / ln 2
+    ("docs/benchmarks.md", "1.718 ± 0.004 (Muon + AdamW) vs 2.258 ± 0.006", "quality.md"),
+    ("docs/benchmarks.md", "val loss 1.714 (Muon + AdamW) vs 2.251", "quality.md"),
+    ("docs/benchmarks.md", "1.722 ± 0.003 vs 2.256 ± 0.008", "compare_sweep/comparison.md"),
+    ("docs/benchmarks.md", "1.035x the other steps", "monitor_overhead.md"),
+    ("docs/guides/monitoring.md", "a logging step costs 1.035x", "monitor_overhead.md"),
+]
+#: Figures that were quoted after their results file changed: on no page again.
+STALE = ["1.004x"]
+
+
+def numbers(text: str) -> list[str]:
+    """The decimal numbers of a quote (``1.718``, ``0.42``), not counts such as ``300`` or ``2`` in ``TP(2)``."""
+    return re.findall(r"(?<![\w.])\d+\.\d+", text)
+
+
+def measured(quoted: str, text: str) -> bool:
+    """Whether a number of ``text`` rounds to ``quoted`` (at its decimals, half up or half even)."""
+    places = Decimal(1).scaleb(-len(quoted.split(".")[1]))
+    for found in re.findall(r"\d+\.\d+", text):
+        value = Decimal(found)
+        if any(value.quantize(places, rounding=mode) == Decimal(quoted) for mode in (ROUND_HALF_UP, ROUND_HALF_EVEN)):
+            return True
+    return False
+
+
+def spaced(text: str) -> str:
+    return re.sub(r"\s+", " ", text)
+
+
+@pytest.mark.parametrize(("page", "figure", "source"), FIGURES, ids=lambda value: str(value)[:40])
+def test_a_quoted_figure_is_on_its_page_and_in_its_results_file(page, figure, source):
+    assert spaced(figure) in spaced((ROOT / page).read_text()), f"{page} no longer quotes {figure!r}"
+    results = (RESULTS / source).read_text()
+    assert numbers(figure), figure
+    assert [n for n in numbers(figure) if not measured(n, results)] == [], f"not in {source}"
+
+
+def test_a_number_not_in_the_file_is_caught():
+    assert measured("1.718", "| muon | 1.7181 ± 0.0036 |") and measured("0.004", "1.7181 ± 0.0036")
+    assert not measured("1.004", "ratio 1.035") and not measured("1.72", "1.7140")
+
+
+@pytest.mark.parametrize("stale", STALE)
+def test_a_stale_figure_is_on_no_page(stale):
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    assert [page.name for page in pages if stale in page.read_text()] == []
