@@ -273,6 +273,7 @@ RUN = {
     "lightning_muon.lightning.mixin.MuonMixin#0": (),
     "lightning_muon.optim.muon.Muon#1": (),  # #0 is the update rule, a text block
     "lightning_muon.combined.muon_with_adamw.MuonWithAdamW#0": (),
+    "lightning_muon.lightning.finetuning.MuonBackboneFinetuning#0": (),
     "lightning_muon.routing._rules.route_parameters#0": (),
 }
 #: The Python blocks that only parse, and why they cannot run on their own.

@@ -48,7 +48,7 @@ PUBLIC = {
         "find_output_heads", "loss_in", "route_parameters", "trace_roles", "trace_step",
     ],
     "lightning_muon.combined": ["MuonWithAdamW", "merge_state_dicts", "split_state_dict"],
-    "lightning_muon.lightning": ["SKIPPED_STEPS_KEY", "MuonBackboneFinetuning", "MuonMixin", "consolidate",
+    "lightning_muon.lightning": ["MuonBackboneFinetuning", "MuonMixin", "SKIPPED_STEPS_KEY", "consolidate",
                                  "muon_subclass"],
     "lightning_muon.callbacks": ["MuonMonitor", "QKClip", "WallClock"],
     "lightning_muon.commands": ["main"],

@@ -74,14 +74,12 @@ class MuonMixin(_LightningModuleBase):
 
     Examples:
         ```python
-        import functools
-
         import lightning as L
         import torch
         from torch import nn
         from torch.utils.data import DataLoader, TensorDataset
 
-        from lightning_muon import Muon, MuonMixin
+        from lightning_muon import MuonMixin
 
 
         class Regression(L.LightningModule):  # an existing module: training_step returns the loss
@@ -99,8 +97,7 @@ class MuonMixin(_LightningModuleBase):
             pass
 
 
-        model = MuonRegression(hidden=64, muon=functools.partial(Muon, lr=0.02, ns_dtype=torch.float32),
-                               gradient_clip_val=1.0)
+        model = MuonRegression(hidden=64, gradient_clip_val=1.0)
         x = torch.randn(256, 8)
         trainer = L.Trainer(max_steps=20, logger=False, enable_checkpointing=False, enable_progress_bar=False)
         trainer.fit(model, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32))
@@ -220,8 +217,6 @@ class MuonMixin(_LightningModuleBase):
         adjustment), read from optimizers built for the purpose and thrown away."""
         return _optimizer_config(self).effective_lrs(self.muon_routing())
 
-    # -------------------------------------------------------------- optimizers
-
     def configure_optimizers(self) -> Any:
         """``[muon, adamw]`` over the routed param groups (only AdamW when ``muon=None``), with their schedulers.
 
@@ -233,8 +228,6 @@ class MuonMixin(_LightningModuleBase):
         if self._muon_fit is not None:
             self._muon_fit.configure_optimizers(pair, schedulers)
         return (optimizers, schedulers) if config.lr_scheduler_factory is not None else optimizers
-
-    # ------------------------------------------------------------------ a fit
 
     def configure_callbacks(self) -> Any:
         callbacks = super().configure_callbacks()
@@ -276,20 +269,7 @@ class MuonMixin(_LightningModuleBase):
         super().teardown(stage)
 
     def _muon_step(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """The parent's ``step`` under the update loop; the first batch of a fit with Muon is followed first."""
-        fit, config = self._muon_fit, self._muon_config
-        run = bind_step(step, args, kwargs, fit.compiler if fit is not None else None)
-        settings = fit.settings if fit is not None else UpdateSettings(  # the fit's: its Trainer flags included
-            config.gradient_clip_val, "norm", config.max_consecutive_skips)
-        if fit is None or self._muon_roles is not None or not self.muon_enabled:
-            return self._muon_loop.training_step(self, run, settings)
-        batch = args[0] if args else kwargs.get("batch")
-
-        def run_first(run: Callable[[], Any]) -> Any:  # uncompiled: the trace follows eager code
-            output, self._muon_roles = fit.follow_first_batch(self, batch, bind_step(step, args, kwargs))
-            return output
-
-        return self._muon_loop.training_step(self, run, settings, run_first)
+        return _run_step(self, step, args, kwargs)
 
     # ------------------------------------------ refusals of optimizing by hand
 
@@ -318,8 +298,6 @@ class MuonMixin(_LightningModuleBase):
         """Run the parent's ``training_step``, then backward and (on the last micro-batch) the update."""
         return self._muon_step(super().training_step, args, kwargs)
 
-    # ------------------------------------------------------------- checkpoints
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint[_checkpoint.CHECKPOINT_KEY] = checkpoint_record(
@@ -327,18 +305,7 @@ class MuonMixin(_LightningModuleBase):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        trainer = _compat.attached_trainer(self)  # None for load_from_checkpoint: weights only, no optimizers
-        resuming = trainer is not None and trainer.state.fn == "fit"
-        saved = _checkpoint.saved_record(checkpoint, resuming)
-        if saved is None:
-            return
-        if trainer is None:  # built by load_from_checkpoint: the settings its hyperparameters could not hold
-            self._muon_config = settings_from_checkpoint(checkpoint, saved, self._muon_config, MuonMixin)
-        if (roles := _checkpoint.saved_roles(saved, resuming, _checkpoint.stepped(checkpoint))) is not None or resuming:
-            self._muon_roles = roles
-        if resuming:  # optimizer states follow: they must meet the parameters they were saved for
-            check_resume(self, checkpoint, saved, self.muon_routing(), self._muon_fit)
-        self._muon_loop.load_state_dict(saved)
+        _load_checkpoint(self, checkpoint)
 
     def _load_record(self, saved: dict[str, Any]) -> None:
         """A distributed checkpoint's record, before its optimizer states load: take its roles, and the fit's
@@ -355,3 +322,38 @@ def _optimizer_config(module: MuonMixin) -> MuonConfig:
     if not config.parent_lr:
         return config
     return config.with_lr(*_checks.parent_lr(module, _checks.own_classes(type(module), MuonMixin)))
+
+
+def _run_step(module: MuonMixin, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """The parent's ``step`` under the update loop; the first batch of a fit with Muon is followed first."""
+    fit, config = module._muon_fit, module._muon_config
+    run = bind_step(step, args, kwargs, fit.compiler if fit is not None else None)
+    settings = fit.settings if fit is not None else UpdateSettings(  # the fit's: its Trainer flags included
+        config.gradient_clip_val, "norm", config.max_consecutive_skips)
+    if fit is None or module._muon_roles is not None or not module.muon_enabled:
+        return module._muon_loop.training_step(module, run, settings)
+    batch = args[0] if args else kwargs.get("batch")
+
+    def run_first(run: Callable[[], Any]) -> Any:  # uncompiled: the trace follows eager code
+        output, module._muon_roles = fit.follow_first_batch(module, batch, bind_step(step, args, kwargs))
+        return output
+
+    return module._muon_loop.training_step(module, run, settings, run_first)
+
+
+def _load_checkpoint(module: MuonMixin, checkpoint: dict[str, Any]) -> None:
+    """``on_load_checkpoint``: the settings a checkpoint's hyperparameters could not hold (``load_from_checkpoint``),
+    the roles it trained with, the check that a resumed fit meets it (its groups given to the fit's optimizers where
+    they are built), the update loop's counters."""
+    trainer = _compat.attached_trainer(module)  # None for load_from_checkpoint: weights only, no optimizers
+    resuming = trainer is not None and trainer.state.fn == "fit"
+    saved = _checkpoint.saved_record(checkpoint, resuming)
+    if saved is None:
+        return
+    if trainer is None:  # built by load_from_checkpoint: the settings its hyperparameters could not hold
+        module._muon_config = settings_from_checkpoint(checkpoint, saved, module._muon_config, MuonMixin)
+    if (roles := _checkpoint.saved_roles(saved, resuming, _checkpoint.stepped(checkpoint))) is not None or resuming:
+        module._muon_roles = roles
+    if resuming:  # optimizer states follow: they must meet the parameters they were saved for
+        check_resume(module, checkpoint, saved, module.muon_routing(), module._muon_fit)
+    module._muon_loop.load_state_dict(saved)
