@@ -72,38 +72,6 @@ class MuonMixin(_LightningModuleBase):
     Its keyword-only arguments are the whole configuration; every other
     argument goes to the wrapped module's constructor.
 
-    Examples:
-        ```python
-        import lightning as L
-        import torch
-        from torch import nn
-        from torch.utils.data import DataLoader, TensorDataset
-
-        from lightning_muon import MuonMixin
-
-
-        class Regression(L.LightningModule):  # an existing module: training_step returns the loss
-            def __init__(self, hidden: int = 64):
-                super().__init__()
-                self.net = nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
-                                         nn.Linear(hidden, 1))
-
-            def training_step(self, batch, batch_idx):
-                x, y = batch
-                return nn.functional.mse_loss(self.net(x), y)
-
-
-        class MuonRegression(MuonMixin, Regression):  # the mixin first
-            pass
-
-
-        model = MuonRegression(hidden=64, gradient_clip_val=1.0)
-        x = torch.randn(256, 8)
-        trainer = L.Trainer(max_steps=20, logger=False, enable_checkpointing=False, enable_progress_bar=False)
-        trainer.fit(model, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32))
-        print(model.muon_routing().names("Muon"))  # ['net.2.weight']
-        ```
-
     Args:
         muon: factory of the Muon optimizer, called with the routed param
             groups (default: `lightning_muon.Muon` with lr 0.02, momentum
