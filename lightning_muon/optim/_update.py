@@ -21,6 +21,7 @@ from torch import Tensor
 from lightning_muon.optim._collectives import ExchangeLayout
 from lightning_muon.optim._dtensor import is_dtensor, matrix_parts
 from lightning_muon.optim.groups import (
+    STACKED,
     batch_cap,
     describe_param,
     group_effective_lr,
@@ -79,7 +80,7 @@ class Bucket(NamedTuple):
     shape: tuple[int, int]
     #: How the parameters hold their matrices (`LAYOUTS`), the same for the whole bucket.
     layout: str = "flatten"
-    #: Matrices in each parameter (the stack size for ``"stack"``, else 1).
+    #: Matrices in each parameter (the stack size for the stacked layouts, else 1).
     per_param: int = 1
 
     @property
@@ -145,7 +146,7 @@ def bucket_indices(
     for k, (p, layout) in enumerate(zip(params, layouts, strict=True)):
         grad_dtype = p.grad.dtype if p.grad is not None and not synced else p.dtype
         # A stack's matrices count too: same-shape stacks only (a flattened shape suffices otherwise).
-        shape = tuple(p.shape) if layout == "stack" else matrix_shape(p.shape)
+        shape = tuple(p.shape) if layout in STACKED else matrix_shape(p.shape)
         key = (shape, layout, p.dtype, grad_dtype, p.device)
         same[(*key, k) if whole_dtensors and is_dtensor(p) else key].append(k)
     buckets: list[list[int]] = []

@@ -20,6 +20,8 @@ __all__ = [
     "DEFAULT_BATCH_BYTES",
     "DEFAULT_BATCH_BYTES_ACCELERATOR",
     "LAYOUTS",
+    "STACKED",
+    "STORED_IN_OUT",
     "adjust_lr",
     "batch_cap",
     "describe_param",
@@ -45,9 +47,15 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral", "none")
 #: How a parameter's tensor holds its matrices (a param group's ``matrix_layouts``, one per parameter):
 #: ``"flatten"`` (the default: a 2D weight, or a conv kernel seen as ``shape[0] x prod(shape[1:])``),
 #: ``"stack"`` (a batch of matrices over the leading dims, e.g. MoE experts ``E x out x in``: each
-#: orthogonalised on its own) and ``"in_out"`` (a 2D weight stored ``in x out``, as transformers' ``Conv1D``:
-#: Newton-Schulz does not care, the lr's shape scaling does).
-LAYOUTS = ("flatten", "stack", "in_out")
+#: orthogonalised on its own), ``"in_out"`` (a 2D weight stored ``in x out``, as transformers' ``Conv1D``:
+#: Newton-Schulz does not care, the lr's shape scaling does) and ``"stack_in_out"`` (a stack whose matrices are
+#: stored ``in x out``, as GPT-OSS's experts ``E x in x out``: each orthogonalised on its own, the lr from its real
+#: ``out x in``).
+LAYOUTS = ("flatten", "stack", "in_out", "stack_in_out")
+#: The layouts that hold a batch of matrices over the leading dims.
+STACKED = ("stack", "stack_in_out")
+#: The layouts whose matrices are stored ``in x out`` (the lr's shape scaling reads them transposed).
+STORED_IN_OUT = ("in_out", "stack_in_out")
 
 #: The default most bytes of one batched Newton-Schulz call (``ns_batch_bytes=None``) by device type: CPU
 #: matmuls reach their peak on one matrix of about 1 MiB in bf16, while small matrices gain from batching
@@ -64,8 +72,8 @@ def is_count(value: object, minimum: int = 1) -> bool:
 
 def matrix_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:
     """The ``(rows, cols)`` of each matrix Newton-Schulz works on: ``(shape[0], prod(shape[1:]))``, or the
-    last two dims for ``"stack"``."""
-    if layout == "stack":
+    last two dims for the stacked layouts (`STACKED`)."""
+    if layout in STACKED:
         return shape[-2], shape[-1]
     return shape[0], math.prod(shape[1:])
 
@@ -73,12 +81,12 @@ def matrix_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -
 def fan_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:
     """``(fan_out, fan_in)`` of each matrix, what the lr's shape scaling reads (`adjust_lr`)."""
     rows, cols = matrix_shape(shape, layout)
-    return (cols, rows) if layout == "in_out" else (rows, cols)
+    return (cols, rows) if layout in STORED_IN_OUT else (rows, cols)
 
 
 def matrices_in(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> int:
-    """How many matrices a parameter of this shape holds (more than one only for ``"stack"``)."""
-    return math.prod(shape[:-2]) if layout == "stack" else 1
+    """How many matrices a parameter of this shape holds (more than one only for the stacked layouts)."""
+    return math.prod(shape[:-2]) if layout in STACKED else 1
 
 
 def layouts_of(group: dict[str, Any]) -> list[str]:

@@ -8,7 +8,7 @@ dict can move between the two for 2D parameters. Beyond it:
   as the flattened ``(shape[0], prod(shape[1:]))`` matrix (the default), stacks
   of matrices (MoE experts) each on its own, and a weight stored ``in x out``
   gets the lr of its real shape; a param group's ``matrix_layouts`` names the
-  layout of each parameter (``"flatten"``, ``"stack"``, ``"in_out"``), and
+  layout of each parameter (``"flatten"``, ``"stack"``, ``"in_out"``, ``"stack_in_out"``), and
   `lightning_muon.route_parameters` fills it in;
 - matrices of the same shape are orthogonalised together in one batched call
   (up to ``ns_batch_bytes`` per call), and the elementwise work uses
@@ -124,8 +124,8 @@ def _refusal(p: Tensor, layout: str) -> str | None:
         )
     if layout not in groups.LAYOUTS:
         return f"its matrix layout {layout!r} is none of {groups.LAYOUTS}."
-    if (layout == "stack" and p.ndim < 3) or (layout == "in_out" and p.ndim != 2):
-        return f"the layout {layout!r} needs {'3 or more' if layout == 'stack' else '2'} dimensions."
+    if (layout in groups.STACKED and p.ndim < 3) or (layout == "in_out" and p.ndim != 2):
+        return f"the layout {layout!r} needs {'3 or more' if layout in groups.STACKED else '2'} dimensions."
     return None
 
 
@@ -307,7 +307,7 @@ class Muon(Optimizer):
                 loss = closure()
         diagnose, self._diagnose = self._diagnose, None
         every = [p for group in self.param_groups for p in group["params"]]
-        stacks = any("stack" in groups.layouts_of(group) for group in self.param_groups)
+        stacks = any(layout in groups.STACKED for group in self.param_groups for layout in groups.layouts_of(group))
         strategy = self._choice.for_step(every, self.split_ns, stacks)
         diagnostics = strategy.run(strategy.buckets(self.param_groups, self.state, diagnose is not None), diagnose)
         self.last_exchange_bytes = strategy.exchanged_bytes

@@ -20,7 +20,8 @@ class Route:
     group: str
     #: Why, in words (for people: no code reads it).
     reason: str
-    #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``: see `lightning_muon.Muon`).
+    #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``, ``"stack_in_out"``: see
+    #: `lightning_muon.Muon`).
     layout: str = "flatten"
     #: The rule that decided (`Rule`).
     rule: Rule = field(kw_only=True)

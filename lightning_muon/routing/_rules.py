@@ -52,13 +52,19 @@ class Kind(Enum):
     BIAS = "bias"
     #: Any other tensor under 2 dimensions (norm weights, scales, scalars).
     VECTOR = "vector"
+    #: A stack of vectors, whatever its number of dimensions: one bias or scale per matrix of a stack beside it (a
+    #: per-expert bias ``E x out``), a stack whose matrices have a side of 1, a router's gate vector per expert.
+    VECTORS = "stack of vectors"
+    #: An adapter's parameter that is no linear map's matrix, whatever its shape: an elementwise scale or magnitude
+    #: (DoRA, IA3, VeRA), rotation generators (OFT, BOFT), selection logits (VB-LoRA), coefficients.
+    COEFFICIENTS = "adapter coefficients"
     #: A bare token or position table (``cls_token``, ``pos_embed``).
     TABLE = "table"
     #: A convolution's kernel, seen as ``shape[0] x prod(shape[1:])``.
     KERNEL = "kernel"
     #: A 2D weight (``out x in``, or ``in x out`` as transformers' ``Conv1D``).
     MATRIX = "matrix"
-    #: A stack of matrices over the leading dimensions (MoE experts ``E x out x in``).
+    #: A stack of matrices over the leading dimensions (MoE experts ``E x out x in``, or ``E x in x out``).
     STACK = "stack"
 
 
@@ -74,7 +80,7 @@ class Decision:
     rule: Rule
     #: What the tensor is (the layout rule's verdict, kept by every rule that overrules it): rules read this.
     kind: Kind
-    #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``).
+    #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``, ``"stack_in_out"``).
     layout: str = "flatten"
 
     def overruled(self, optimizer: Algorithm, group: str, reason: str, rule: Rule, layout: str = "flatten") -> Decision:
@@ -89,19 +95,66 @@ class Decision:
 _TWO_D_ONLY = "{}D tensor and the Muon class is 2D-only"
 
 
-def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool) -> Decision:
+@dataclass(frozen=True)
+class _Context:
+    """What the model as a whole says about one parameter, beyond its own module: the layout rule reads it."""
+
+    #: The router it is the weight of, with the rule that found it and its number of experts (`_roles.routers`).
+    router: tuple[Rule, int] | None = None
+    #: PEFT's name of the adapter it belongs to (``ia3_l``), or None (`_roles.adapter_parameters`).
+    adapter: str | None = None
+
+
+def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool,
+                  context: _Context = _Context()) -> Decision:
     """The `Decision` for a parameter that no user pattern, module type, tie or head decided: by its shape and
-    its module's kind (a conv kernel, a weight stored in x out, a stack of matrices, a bare table)."""
+    its module's kind (a conv kernel, a weight stored in x out, a stack of matrices or of vectors, a router, an
+    adapter's coefficients, a bare table)."""
+    decision = _by_shape(name, p, module, param_name, muon_nd, context)
+    if context.adapter is not None and decision.optimizer is Algorithm.ADAMW:  # a vector of an adapter
+        return replace(decision, group="adapters")
+    return decision
+
+
+def _by_shape(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool, context: _Context) -> Decision:
+    return _not_a_matrix(name, p, module, param_name, context) or _matrices(p, module, param_name, muon_nd)
+
+
+def _not_a_matrix(name: str, p: Tensor, module: nn.Module, param_name: str, context: _Context) -> Decision | None:
+    """The `Decision` for a tensor that holds no matrix, whatever its number of dimensions: an adapter's
+    coefficients, a vector, a router's or a stack's vectors, a table; None for matrices."""
     shape = tuple(p.shape)
+    dims = "x".join(map(str, shape))
     own_weight = param_name == "weight" and not isinstance(module, nn.ParameterList | nn.ParameterDict)
+    if context.adapter in _roles.ADAPTER_COEFFICIENTS:
+        reason = f"not a matrix: {_roles.ADAPTER_COEFFICIENTS[context.adapter]} ({dims})"
+        return Decision(Algorithm.ADAMW, "adapters", reason, Rule.CONVENTION, Kind.COEFFICIENTS)
     if p.ndim < 2:
         if name.endswith("bias"):
             return Decision(Algorithm.ADAMW, "norms_and_biases", "bias", Rule.SHAPE, Kind.BIAS)
         return Decision(Algorithm.ADAMW, "norms_and_biases", f"{p.ndim}D tensor", Rule.SHAPE, Kind.VECTOR)
+    if context.router is not None and own_weight:
+        rule, gates = context.router
+        reason = (f"router: a stack of vectors, one gate vector per expert ({gates} experts)" if gates > 1
+                  else "gate beside the experts: a vector (1 row)")
+        return Decision(Algorithm.ADAMW, "norms_and_biases", reason, rule, Kind.VECTORS)
     if not own_weight and not _roles.is_conv(module) and _roles.is_table(param_name, p):
         rule = Rule.NAME if _roles.is_table_name(param_name) else Rule.SHAPE
-        dims = "x".join(map(str, shape))
         return Decision(Algorithm.ADAMW, "embeddings", f"token or position table ({dims})", rule, Kind.TABLE)
+    stack = _roles.stack_beside(module, param_name, p)
+    if stack is not None:
+        what = "bias" if name.endswith("bias") else "vector"
+        reason = f"stack of vectors ({dims}): one {what} per matrix of `{stack}`"
+        return Decision(Algorithm.ADAMW, "norms_and_biases", reason, Rule.STRUCTURE, Kind.VECTORS)
+    if p.ndim > 2 and 1 in shape[-2:] and not _roles.is_conv(module):
+        reason = f"stack of vectors ({dims}): its matrices have a side of 1"
+        return Decision(Algorithm.ADAMW, "norms_and_biases", reason, Rule.SHAPE, Kind.VECTORS)
+    return None
+
+
+def _matrices(p: Tensor, module: nn.Module, param_name: str, muon_nd: bool) -> Decision:
+    """The `Decision` for a tensor of matrices: a conv kernel, a matrix (stored in x out or not), a stack."""
+    shape = tuple(p.shape)
     if _roles.is_conv(module) and param_name == "weight":
         if not muon_nd:
             return Decision(Algorithm.ADAMW, "other", _TWO_D_ONLY.format(p.ndim), Rule.SHAPE, Kind.KERNEL)
@@ -117,7 +170,12 @@ def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon
         return Decision(Algorithm.MUON, "hidden", "hidden matrix", Rule.SHAPE, Kind.MATRIX)
     if not muon_nd:
         return Decision(Algorithm.ADAMW, "other", _TWO_D_ONLY.format(p.ndim), Rule.SHAPE, Kind.STACK)
-    reason = f"{math.prod(shape[:-2])} stacked matrices {shape[-2]}x{shape[-1]}, each orthogonalised"
+    count = math.prod(shape[:-2])
+    if _roles.stacks_in_out(module):
+        reason = (f"{count} stacked matrices stored in x out ({shape[-1]}x{shape[-2]} out x in, the experts' "
+                  "is_transposed), each orthogonalised")
+        return Decision(Algorithm.MUON, "hidden", reason, Rule.CONVENTION, Kind.STACK, "stack_in_out")
+    reason = f"{count} stacked matrices {shape[-2]}x{shape[-1]}, each orthogonalised"
     return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.STACK, "stack")
 
 
@@ -298,12 +356,16 @@ def route_parameters(
     _check_patterns("adamw_params", adamw_params, aliases)
     heads = _roles.output_heads(module)
     input_layer = _roles.find_input_layer(module)
+    routers = _roles.routers(module)
+    adapters = _roles.adapter_parameters(module)
 
     routes = []
     for name, p in trainable.items():
         role = _role(name, owners[id(p)], heads, input_layer, graph)
         to_muon, to_adamw = (_matched(patterns, aliases[name]) for patterns in (muon_params, adamw_params))
-        by_layout = _layout_route(name, p, role.module, name.rsplit(".", 1)[-1], muon_nd)
+        router = next((routers[_module_of(a)] for a in aliases[name] if _module_of(a) in routers), None)
+        context = _Context(router=router, adapter=next((adapters[a] for a in aliases[name] if a in adapters), None))
+        by_layout = _layout_route(name, p, role.module, name.rsplit(".", 1)[-1], muon_nd, context)
         if to_muon or to_adamw:
             decision = _pattern_route(name, p, role, by_layout, to_muon, to_adamw, muon_nd)
         else:
