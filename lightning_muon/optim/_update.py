@@ -23,6 +23,7 @@ from lightning_muon.optim._dtensor import is_dtensor, matrix_parts
 from lightning_muon.optim.groups import (
     STACKED,
     batch_cap,
+    blocks_of,
     describe_param,
     group_effective_lr,
     layouts_of,
@@ -33,6 +34,7 @@ from lightning_muon.optim.groups import (
     ns_settings,
     on_exact_path,
     param_name,
+    split_blocks,
     uses_gram,
 )
 from lightning_muon.optim.newton_schulz import (
@@ -182,19 +184,24 @@ def collect_buckets(
     buckets, index = [], 0
     for group in param_groups:
         params, grads, bufs, names, layouts = [], [], [], [], []
-        group_layouts = layouts_of(group)
+        group_layouts, group_blocks = layouts_of(group), blocks_of(group)
         for i, p in enumerate(group["params"]):
             if not has_grad[index + i]:
                 continue
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             _check_grad(group, i, index + i, p, grad)
-            params.append(p)
-            grads.append(grad)
             if "momentum_buffer" not in state[p]:
                 state[p]["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            bufs.append(state[p]["momentum_buffer"])
-            names.append(param_name(group, i, index + i) if named else "")
-            layouts.append(group_layouts[i])
+            name, layout, sizes = param_name(group, i, index + i) if named else "", group_layouts[i], group_blocks[i]
+            # A fused projection's blocks step as separate parameters would: views of the tensor, its gradient
+            # and its momentum buffer (which stays whole in the state).
+            pieces = (split_blocks(t, layout, sizes) for t in (p, grad, state[p]["momentum_buffer"]))
+            for k, (piece, piece_grad, piece_buf) in enumerate(zip(*pieces, strict=True)):
+                params.append(piece)
+                grads.append(piece_grad)
+                bufs.append(piece_buf)
+                names.append(f"{name}[{k}]" if named and sizes else name)
+                layouts.append(layout)
         index += len(group["params"])
         for ks in bucket_indices(group, params, whole_dtensors=whole_dtensors, synced=synced, layouts=layouts):
             pick = [params[k] for k in ks], [grads[k] for k in ks], [bufs[k] for k in ks], [names[k] for k in ks]

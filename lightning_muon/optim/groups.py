@@ -24,6 +24,8 @@ __all__ = [
     "STORED_IN_OUT",
     "adjust_lr",
     "batch_cap",
+    "block_dim",
+    "blocks_of",
     "describe_param",
     "dtype_name",
     "fan_shape",
@@ -38,6 +40,7 @@ __all__ = [
     "ns_settings",
     "on_exact_path",
     "param_name",
+    "split_blocks",
     "uses_gram",
 ]
 
@@ -52,6 +55,11 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral", "none")
 #: stored ``in x out``, as GPT-OSS's experts ``E x in x out``: each orthogonalised on its own, the lr from its real
 #: ``out x in``).
 LAYOUTS = ("flatten", "stack", "in_out", "stack_in_out")
+#: A param group's ``matrix_blocks`` (one entry per parameter, ``None`` or a list of sizes) splits a fused
+#: projection (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s ``in_proj_weight``, litgpt's ``qkv``, a fused MoE
+#: ``gate_up_proj``) into row blocks along its output dim (`block_dim`): each block is orthogonalised and lr-scaled
+#: as a separate parameter would be (`split_blocks`).
+
 #: The layouts that hold a batch of matrices over the leading dims.
 STACKED = ("stack", "stack_in_out")
 #: The layouts whose matrices are stored ``in x out`` (the lr's shape scaling reads them transposed).
@@ -92,6 +100,24 @@ def matrices_in(shape: torch.Size | tuple[int, ...], layout: str = "flatten") ->
 def layouts_of(group: dict[str, Any]) -> list[str]:
     """The layout of each parameter of a param group (``"flatten"`` where the group names none)."""
     return group.get("matrix_layouts") or ["flatten"] * len(group["params"])
+
+
+def block_dim(layout: str) -> int:
+    """The dim of a parameter that holds its matrices' output rows (``out`` of ``out x in``), the dim a fused
+    projection's blocks split (a param group's ``matrix_blocks``): 0, or 1 for ``"in_out"``, -2 for ``"stack"``,
+    -1 for ``"stack_in_out"``."""
+    return {"in_out": 1, "stack": -2, "stack_in_out": -1}.get(layout, 0)
+
+
+def blocks_of(group: dict[str, Any]) -> list[list[int] | None]:
+    """The row blocks of each parameter of a param group (its ``matrix_blocks``; ``None``: one matrix, fused)."""
+    return group.get("matrix_blocks") or [None] * len(group["params"])
+
+
+def split_blocks(tensor: Tensor, layout: str, sizes: list[int] | None) -> list[Tensor]:
+    """Views of a fused projection's blocks (``sizes`` output rows each, along `block_dim`), each a matrix (or a
+    stack of them) of its own; ``[tensor]`` itself without blocks. In-place changes to a view reach the tensor."""
+    return [tensor] if sizes is None else list(torch.split(tensor, list(sizes), dim=block_dim(layout)))
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size | tuple[int, ...]) -> float:
