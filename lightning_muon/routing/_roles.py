@@ -162,6 +162,47 @@ def adapter_parameters(module: nn.Module) -> dict[str, str]:
     return found
 
 
+def fused_projections(module: nn.Module) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """The fused projections of a model, by parameter name: what their blocks are (``"q, k, v"``) and their sizes
+    along the output dim (``None`` where the blocks are interleaved, not contiguous), found by module type and
+    shape: ``nn.MultiheadAttention``'s ``in_proj_weight``, transformers' ``Conv1D`` ``c_attn`` of an attention of
+    ``embed_dim`` (GPT-2), litgpt's ``qkv`` (unequal blocks under grouped-query attention), and transformers 5's
+    fused experts' ``gate_up_proj`` (``has_gate``; ``is_concatenated`` says contiguous or interleaved)."""
+    found: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+    for name, m in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, nn.MultiheadAttention) and m.in_proj_weight is not None:
+            found[f"{prefix}in_proj_weight"] = ("q, k, v", (m.embed_dim,) * 3)
+        gate_up = getattr(m, "gate_up_proj", None)
+        if getattr(m, "has_gate", None) is True and isinstance(gate_up, Tensor) and gate_up.ndim >= 3:
+            rows = gate_up.shape[-1] if stacks_in_out(m) else gate_up.shape[-2]
+            contiguous = getattr(m, "is_concatenated", True) is True
+            found[f"{prefix}gate_up_proj"] = ("gate, up", (rows // 2,) * 2 if contiguous else None)
+        embed_dim, config = getattr(m, "embed_dim", None), getattr(m, "config", None)
+        for child_name, child in m.named_children():
+            weight = f"{prefix}{child_name}.weight"
+            if type(child).__name__ == "Conv1D" and isinstance(embed_dim, int):
+                out = getattr(child, "nf", None)
+                if out == 3 * embed_dim:
+                    found[weight] = ("q, k, v", (embed_dim,) * 3)
+                elif out == 2 * embed_dim and getattr(m, "is_cross_attention", False):
+                    found[weight] = ("k, v", (embed_dim,) * 2)
+            if child_name == "qkv" and isinstance(child, nn.Linear) and config is not None:
+                sizes = _litgpt_qkv(config)
+                if sizes is not None and sum(sizes) == child.out_features:
+                    found[weight] = ("q, k, v", sizes)
+    return found
+
+
+def _litgpt_qkv(config: object) -> tuple[int, int, int] | None:
+    """litgpt's ``qkv`` blocks from its config: ``n_head`` query heads, ``n_query_groups`` key and value heads of
+    ``head_size`` each, contiguous (``qkv.split((q, k, v))`` in its forward)."""
+    heads, groups, size = (getattr(config, key, None) for key in ("n_head", "n_query_groups", "head_size"))
+    if not all(isinstance(v, int) for v in (heads, groups, size)):
+        return None
+    return heads * size, groups * size, groups * size  # type: ignore[operator]
+
+
 def is_table(param_name: str, param: Tensor) -> bool:
     """A bare parameter that is a token or a position table (``cls_token``, ``pos_embed``, ...): by its name
     (`is_table_name`), or one token's row with singleton leading dimensions (``1 x 1 x d``: a stack of several

@@ -25,6 +25,9 @@ class Route:
     layout: str = "flatten"
     #: The rule that decided (`Rule`).
     rule: Rule = field(kw_only=True)
+    #: A fused projection's row blocks, each orthogonalised and lr-scaled on its own (a Muon group's
+    #: ``matrix_blocks``), or ``None``: one matrix.
+    blocks: tuple[int, ...] | None = field(default=None, kw_only=True)
 
     @property
     def numel(self) -> int:

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
+from lightning_muon.optim import groups
 from lightning_muon.routing import _roles
 from lightning_muon.routing._route import Route
 from lightning_muon.routing._routing import Routing
@@ -314,6 +315,8 @@ def route_parameters(
     adamw_params: Sequence[str] = (),
     muon_nd: bool = True,
     graph: GraphRoles | None = None,
+    split_fused: bool = False,
+    matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
 ) -> Routing:
     """Decide Muon or AdamW for every trainable parameter of ``module``, with a reason and the rule that decided.
 
@@ -328,6 +331,16 @@ def route_parameters(
         graph: what a training batch showed (`trace_roles`): output heads, input layers and hidden
             matrices, found from the computation. It decides for matrices after user patterns, module
             type and ties; the name and structure rules decide what it did not see.
+        split_fused: orthogonalise the blocks of every fused projection found (above) on their own.
+        matrix_blocks: glob patterns on full parameter names -> the row-block sizes of those Muon parameters along
+            their output dim (``{"*.c_attn.weight": [768, 768, 768]}``), or ``None`` to keep a found one fused;
+            the first matching pattern decides, over ``split_fused``.
+
+    Fused projections (``nn.MultiheadAttention``'s ``in_proj_weight``, GPT-2's ``c_attn``, litgpt's ``qkv``,
+    transformers' fused MoE ``gate_up_proj``) are found by module type and shape and named in the reason. With
+    ``split_fused`` each of their blocks is orthogonalised and lr-scaled as a separate layer's would be (the
+    Muon group's ``matrix_blocks``); by default they stay one matrix, as before (no measurement has shown the
+    split better yet).
 
     PEFT LoRA's adapters: ``lora_A`` (``r x in``) is a hidden matrix, on Muon; ``lora_B`` (``out x r``) goes to
     AdamW (group ``adapters``), where it trained better in the measured recipe (``benchmarks/finetune.py``).
@@ -336,7 +349,8 @@ def route_parameters(
 
     Raises:
         ValueError: a pattern matches nothing, a parameter matches both kinds
-            of pattern, or a tensor Muon cannot take is forced to Muon.
+            of pattern, a tensor Muon cannot take is forced to Muon, or ``matrix_blocks`` sets blocks that do not
+            fit a parameter (or any with a Muon class that cannot split them, ``muon_nd=False``).
     """
     trainable: dict[str, Tensor] = {name: p for name, p in module.named_parameters() if p.requires_grad}
     lazy = [name for name, p in trainable.items() if is_lazy(p)]
@@ -354,6 +368,7 @@ def route_parameters(
     aliases = {name: [alias for alias, _ in owners[id(p)]] for name, p in trainable.items()}
     _check_patterns("muon_params", muon_params, aliases)
     _check_patterns("adamw_params", adamw_params, aliases)
+    _check_patterns("matrix_blocks", list(matrix_blocks or {}), aliases)
     heads = _roles.output_heads(module)
     input_layer = _roles.find_input_layer(module)
     routers = _roles.routers(module)
@@ -372,10 +387,66 @@ def route_parameters(
             decision = _adapter_route(aliases[name], _role_route(role, by_layout) or by_layout)
         routes.append(decision.route(name, tuple(p.shape)))
 
+    routes = _with_blocks(routes, trainable, aliases, _roles.fused_projections(module), split_fused,
+                          dict(matrix_blocks or {}), muon_nd)
     routed = [r.name for r in routes]
     if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's
         raise RuntimeError(f"lightning_muon routed {sorted(routed)} for the trainable parameters {sorted(trainable)}")
     return Routing(routes=routes, params=dict(trainable), roles_from=_roles_from(graph))
+
+
+def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[str, list[str]],
+                 fused: dict[str, tuple[str, tuple[int, ...] | None]], split_fused: bool,
+                 patterns: dict[str, Sequence[int] | None], muon_nd: bool) -> list[Route]:
+    """``routes`` with the fused projections' blocks: named in the reason where found, split where ``split_fused``
+    or a ``matrix_blocks`` pattern says so."""
+    done = []
+    for r in routes:
+        found = next((fused[a] for a in aliases[r.name] if a in fused), None)
+        pattern = _matched(list(patterns), aliases[r.name])
+        if r.optimizer is not Algorithm.MUON:
+            if pattern is not None and patterns[pattern] is not None:
+                raise ValueError(f"matrix_blocks pattern {pattern!r} matches `{r.name}`, which goes to AdamW "
+                                 f"({r.reason}); blocks are Muon's: narrow the pattern")
+            done.append(r)
+            continue
+        if pattern is not None:
+            given = patterns[pattern]
+            sizes = None if given is None else tuple(given)
+        else:
+            sizes = found[1] if split_fused and found is not None else None
+        if sizes is not None:
+            _check_blocks(r, params[r.name], sizes, pattern, muon_nd)
+        done.append(replace(r, reason=_blocks_reason(r.reason, found, sizes, pattern), blocks=sizes))
+    return done
+
+
+def _check_blocks(r: Route, p: Tensor, sizes: tuple[int, ...], pattern: str | None, muon_nd: bool) -> None:
+    """Refuse blocks that do not cover a parameter's output rows, and blocks for a Muon class that cannot split."""
+    origin = f"matrix_blocks pattern {pattern!r}" if pattern else "split_fused"
+    if not muon_nd:
+        raise ValueError(f"{origin} splits `{r.name}` into blocks, which torch.optim.Muon cannot do (it would "
+                         "orthogonalise the fused matrix): use lightning_muon.Muon, or drop the blocks")
+    rows = p.shape[groups.block_dim(r.layout)]
+    if not all(isinstance(s, int) and s > 0 for s in sizes) or sum(sizes) != rows:
+        raise ValueError(f"{origin} gives `{r.name}` of shape {tuple(p.shape)} the blocks {list(sizes)}, which do not "
+                         f"add up to its {rows} output rows; give positive sizes that do")
+
+
+def _blocks_reason(reason: str, found: tuple[str, tuple[int, ...] | None] | None, sizes: tuple[int, ...] | None,
+                   pattern: str | None) -> str:
+    """The reason, with what is fused and whether its blocks are orthogonalised on their own."""
+    if sizes is not None:
+        what = f"fused {found[0]}" if found else "blocks"
+        via = f" (matrix_blocks {pattern!r})" if pattern else ""
+        return f"{reason}; {what} {'+'.join(map(str, sizes))}: each block orthogonalised{via}"
+    if found is None:
+        return reason
+    what, found_sizes = found
+    if found_sizes is None:
+        return f"{reason}; fused {what}, interleaved: orthogonalised whole"
+    off = f"matrix_blocks {pattern!r}" if pattern else "split_fused=True splits it"
+    return f"{reason}; fused {what} {'+'.join(map(str, found_sizes))}, orthogonalised whole ({off})"
 
 
 def _roles_from(graph: GraphRoles | None) -> str:
