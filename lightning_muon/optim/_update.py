@@ -339,7 +339,8 @@ def measure(updates: Tensor, effective_lr: float) -> tuple[Tensor, Tensor]:
 
 def record(bucket: Bucket, orthogonal: list[Tensor], diagnose: Chooser) -> list[ParamDiagnostics]:
     """Diagnostics of the chosen matrices of a bucket, from the updates the step just applied."""
-    chosen = [j for j, p in enumerate(bucket.params) if diagnose(p)]
+    # A fused projection's block is a view: chosen with its parameter (``_base``).
+    chosen = [j for j, p in enumerate(bucket.params) if diagnose(p if p._base is None else p._base)]
     if not chosen:
         return []
     matrices = [orthogonal[j] for j in chosen]

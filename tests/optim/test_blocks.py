@@ -135,3 +135,25 @@ def test_blocks_under_ddp_split_equal_one_process(tmp_path):
         torch.testing.assert_close(r["params"], [p.detach() for p in params], atol=1e-6, rtol=0)
     for got0, got1 in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(got0, got1)
+
+
+def test_diagnostics_name_each_block_of_a_chosen_parameter():
+    """A chosen fused parameter is diagnosed block by block, each as its separate parameter would be."""
+    g = torch.Generator().manual_seed(0)
+    fused, other = torch.nn.Parameter(torch.randn(64, 32, generator=g)), torch.nn.Parameter(torch.randn(16, 32))
+    separate = [torch.nn.Parameter(b.detach().clone()) for b in fused.split([32, 16, 16])]
+    opt = Muon([{"params": [("qkv", fused), ("other", other)], "matrix_blocks": [[32, 16, 16], None]}], lr=0.02)
+    apart = Muon([{"params": [(f"qkv{k}", p) for k, p in enumerate(separate)]}], lr=0.02)
+    fused.grad, other.grad = torch.randn(64, 32, generator=g), torch.randn(16, 32)
+    for p, block in zip(separate, fused.grad.split([32, 16, 16]), strict=True):
+        p.grad = block.clone()
+    opt.record_diagnostics([fused])
+    apart.record_diagnostics()
+    opt.step()
+    apart.step()
+    assert [(d.name, d.shape) for d in opt.diagnostics] == [("qkv[0]", (32, 32)), ("qkv[1]", (16, 32)),
+                                                            ("qkv[2]", (16, 32))]
+    assert [d.name for d in apart.diagnostics] == ["qkv0", "qkv1", "qkv2"]
+    for ours, theirs in zip(opt.diagnostics, apart.diagnostics, strict=True):
+        assert torch.equal(ours.orthogonality_error, theirs.orthogonality_error)
+        assert (ours.effective_lr, ours.update_rms) == (theirs.effective_lr, theirs.update_rms)
