@@ -157,9 +157,15 @@ def group_effective_lr(group: dict[str, Any], shape: torch.Size | tuple[int, ...
 
 
 def group_effective_lrs(group: dict[str, Any]) -> list[float]:
-    """The effective lr of every parameter of a param group, in order."""
-    layouts = layouts_of(group)
-    return [group_effective_lr(group, p.shape, layout) for p, layout in zip(group["params"], layouts, strict=True)]
+    """The effective lr of every parameter of a param group, in order; of a parameter split into blocks
+    (``matrix_blocks``), its first block's (each block's lr scale reads its own shape)."""
+    lrs = []
+    for p, layout, sizes in zip(group["params"], layouts_of(group), blocks_of(group), strict=True):
+        shape = list(p.shape)
+        if sizes:
+            shape[block_dim(layout)] = sizes[0]
+        lrs.append(group_effective_lr(group, tuple(shape), layout))
+    return lrs
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -298,11 +298,12 @@ class Muon(Optimizer):
             self._clear_records()
 
     def effective_lr(self, param: Tensor) -> float:
-        """The learning rate `param` really gets: its group's ``lr`` after `adjust_lr`."""
+        """The learning rate `param` really gets: its group's ``lr`` after `adjust_lr` (split into blocks by
+        ``matrix_blocks``: its first block's)."""
         for group in self.param_groups:
-            for p, layout in zip(group["params"], groups.layouts_of(group), strict=True):
+            for p, lr in zip(group["params"], groups.group_effective_lrs(group), strict=True):
                 if p is param:
-                    return groups.group_effective_lr(group, param.shape, layout)
+                    return lr
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not in this optimizer")
 
     # ------------------------------------------------------------- diagnostics

@@ -157,3 +157,13 @@ def test_diagnostics_name_each_block_of_a_chosen_parameter():
     for ours, theirs in zip(opt.diagnostics, apart.diagnostics, strict=True):
         assert torch.equal(ours.orthogonality_error, theirs.orthogonality_error)
         assert (ours.effective_lr, ours.update_rms) == (theirs.effective_lr, theirs.update_rms)
+
+
+def test_the_effective_lr_of_a_split_parameter_is_its_first_block_s():
+    """GPT-2's ``c_attn`` stored ``32 x 96`` (``in x out``): fused, sqrt(96 / 32) times the lr; split into three
+    ``32 x 32`` blocks, each block's lr is the lr itself."""
+    c_attn = torch.nn.Parameter(torch.randn(32, 96))
+    fused = Muon([{"params": [c_attn], "matrix_layouts": ["in_out"]}], lr=0.02)
+    split = Muon([{"params": [c_attn], "matrix_layouts": ["in_out"], "matrix_blocks": [[32, 32, 32]]}], lr=0.02)
+    assert fused.effective_lr(c_attn) == pytest.approx(0.02 * 3**0.5)
+    assert split.effective_lr(c_attn) == pytest.approx(0.02)
