@@ -143,3 +143,16 @@ ERRORS = [
 def test_blocks_that_cannot_be_are_refused_with_the_fix(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
         route_parameters(build(MODELS["gpt2"]), **kwargs)
+
+
+def test_muon_with_adamw_takes_the_split_with_the_model_only():
+    from lightning_muon import MuonWithAdamW
+
+    net = build(MODELS["gpt2"])
+    opt = MuonWithAdamW.from_model(net, split_fused=True)
+    muon = next(g for g in opt.param_groups if g["algorithm"] == "muon")
+    blocks = dict(zip(muon["param_names"], muon["matrix_blocks"], strict=True))
+    assert blocks["transformer.h.0.attn.c_attn.weight"] == [32, 32, 32]
+    assert opt.muon.effective_lr(net.get_parameter("transformer.h.0.attn.c_attn.weight")) == pytest.approx(0.02)
+    with pytest.raises(ValueError, match=r"split_fused / matrix_blocks are routing settings: give the model itself"):
+        MuonWithAdamW(route_parameters(net), split_fused=True)
