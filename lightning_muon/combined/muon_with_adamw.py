@@ -13,7 +13,7 @@ mapping. An lr scheduler writing ``group["lr"]`` reaches them; a step steps both
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,9 +59,10 @@ class MuonWithAdamW(Optimizer):
     ``process_group``, ``device_mesh`` and ``exchange_round_bytes`` are the Muon groups' settings and `Muon`'s
     own (see `lightning_muon.Muon`); ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``,
     ``adamw_amsgrad``, ``foreach`` and ``fused`` the AdamW groups' (``torch.optim.AdamW``'s ``lr``, ``betas``,
-    ``eps``, ``weight_decay``, ``amsgrad``, ``foreach``, ``fused``); ``muon_params`` and ``adamw_params`` are
-    routing overrides, glob patterns on full parameter names (only with a model: see
-    `lightning_muon.route_parameters`).
+    ``eps``, ``weight_decay``, ``amsgrad``, ``foreach``, ``fused``); ``muon_params``, ``adamw_params``,
+    ``split_fused`` and ``matrix_blocks`` are routing settings (only with a model: see
+    `lightning_muon.route_parameters`; ``split_fused=True`` orthogonalises each block of a fused projection on
+    its own).
 
     Examples:
         One optimizer over the whole model, routed, for code that takes one (automatic optimization,
@@ -122,6 +123,8 @@ class MuonWithAdamW(Optimizer):
         exchange_round_bytes: int = PAIRED_MUON.exchange_round_bytes,
         muon_params: Sequence[str] = (),
         adamw_params: Sequence[str] = (),
+        split_fused: bool = False,
+        matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
     ) -> None:
         self._settings: dict[str, dict[str, Any]] = {
             MUON: {
@@ -138,7 +141,9 @@ class MuonWithAdamW(Optimizer):
         }
         #: The inner optimizers, built from the first group of their algorithm.
         self._inner: dict[str, Optimizer] = {}
-        groups, self.routing = _groups(params, muon_params, adamw_params)
+        routing_settings = {"muon_params": muon_params, "adamw_params": adamw_params, "split_fused": split_fused,
+                            "matrix_blocks": matrix_blocks}
+        groups, self.routing = _groups(params, routing_settings)
         # ``defaults``: each algorithm's, as its inner optimizer has them once it is built (`add_param_group`).
         super().__init__(groups, {MUON: {}, ADAMW: {}})
         for algorithm in ALGORITHMS:
@@ -267,15 +272,21 @@ class MuonWithAdamW(Optimizer):
 
 
 def _groups(
-    params: nn.Module | Routing | Iterable[dict[str, Any]], muon_params: Sequence[str], adamw_params: Sequence[str]
+    params: nn.Module | Routing | Iterable[dict[str, Any]], settings: dict[str, Any]
 ) -> tuple[list[dict[str, Any]], Routing | None]:
-    """The param groups (each with ``algorithm``) and the routing they came from."""
+    """The param groups (each with ``algorithm``) and the routing they came from (``settings``: the routing's)."""
+    muon_params, adamw_params = settings["muon_params"], settings["adamw_params"]
     if isinstance(params, nn.Module):
-        routing = route_parameters(params, muon_params=muon_params, adamw_params=adamw_params)
+        routing = route_parameters(params, **settings)
     elif muon_params or adamw_params:
         raise ValueError(
             f"muon_params={list(muon_params)!r} / adamw_params={list(adamw_params)!r} are routing patterns: "
             "give the model itself (MuonWithAdamW.from_model(model, muon_params=...)), not groups or a Routing"
+        )
+    elif settings["split_fused"] or settings["matrix_blocks"]:
+        raise ValueError(
+            "split_fused / matrix_blocks are routing settings: give the model itself "
+            "(MuonWithAdamW.from_model(model, split_fused=True)), or route_parameters(model, split_fused=True)"
         )
     elif isinstance(params, Routing):
         routing = params

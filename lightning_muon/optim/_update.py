@@ -21,7 +21,9 @@ from torch import Tensor
 from lightning_muon.optim._collectives import ExchangeLayout
 from lightning_muon.optim._dtensor import is_dtensor, matrix_parts
 from lightning_muon.optim.groups import (
+    STACKED,
     batch_cap,
+    blocks_of,
     describe_param,
     group_effective_lr,
     layouts_of,
@@ -32,6 +34,7 @@ from lightning_muon.optim.groups import (
     ns_settings,
     on_exact_path,
     param_name,
+    split_blocks,
     uses_gram,
 )
 from lightning_muon.optim.newton_schulz import (
@@ -79,7 +82,7 @@ class Bucket(NamedTuple):
     shape: tuple[int, int]
     #: How the parameters hold their matrices (`LAYOUTS`), the same for the whole bucket.
     layout: str = "flatten"
-    #: Matrices in each parameter (the stack size for ``"stack"``, else 1).
+    #: Matrices in each parameter (the stack size for the stacked layouts, else 1).
     per_param: int = 1
 
     @property
@@ -145,7 +148,7 @@ def bucket_indices(
     for k, (p, layout) in enumerate(zip(params, layouts, strict=True)):
         grad_dtype = p.grad.dtype if p.grad is not None and not synced else p.dtype
         # A stack's matrices count too: same-shape stacks only (a flattened shape suffices otherwise).
-        shape = tuple(p.shape) if layout == "stack" else matrix_shape(p.shape)
+        shape = tuple(p.shape) if layout in STACKED else matrix_shape(p.shape)
         key = (shape, layout, p.dtype, grad_dtype, p.device)
         same[(*key, k) if whole_dtensors and is_dtensor(p) else key].append(k)
     buckets: list[list[int]] = []
@@ -181,19 +184,24 @@ def collect_buckets(
     buckets, index = [], 0
     for group in param_groups:
         params, grads, bufs, names, layouts = [], [], [], [], []
-        group_layouts = layouts_of(group)
+        group_layouts, group_blocks = layouts_of(group), blocks_of(group)
         for i, p in enumerate(group["params"]):
             if not has_grad[index + i]:
                 continue
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             _check_grad(group, i, index + i, p, grad)
-            params.append(p)
-            grads.append(grad)
             if "momentum_buffer" not in state[p]:
                 state[p]["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            bufs.append(state[p]["momentum_buffer"])
-            names.append(param_name(group, i, index + i) if named else "")
-            layouts.append(group_layouts[i])
+            name, layout, sizes = param_name(group, i, index + i) if named else "", group_layouts[i], group_blocks[i]
+            # A fused projection's blocks step as separate parameters would: views of the tensor, its gradient
+            # and its momentum buffer (which stays whole in the state).
+            pieces = (split_blocks(t, layout, sizes) for t in (p, grad, state[p]["momentum_buffer"]))
+            for k, (piece, piece_grad, piece_buf) in enumerate(zip(*pieces, strict=True)):
+                params.append(piece)
+                grads.append(piece_grad)
+                bufs.append(piece_buf)
+                names.append(f"{name}[{k}]" if named and sizes else name)
+                layouts.append(layout)
         index += len(group["params"])
         for ks in bucket_indices(group, params, whole_dtensors=whole_dtensors, synced=synced, layouts=layouts):
             pick = [params[k] for k in ks], [grads[k] for k in ks], [bufs[k] for k in ks], [names[k] for k in ks]
@@ -331,7 +339,8 @@ def measure(updates: Tensor, effective_lr: float) -> tuple[Tensor, Tensor]:
 
 def record(bucket: Bucket, orthogonal: list[Tensor], diagnose: Chooser) -> list[ParamDiagnostics]:
     """Diagnostics of the chosen matrices of a bucket, from the updates the step just applied."""
-    chosen = [j for j, p in enumerate(bucket.params) if diagnose(p)]
+    # A fused projection's block is a view: chosen with its parameter (``_base``).
+    chosen = [j for j, p in enumerate(bucket.params) if diagnose(p if p._base is None else p._base)]
     if not chosen:
         return []
     matrices = [orthogonal[j] for j in chosen]

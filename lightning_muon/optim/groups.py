@@ -20,8 +20,12 @@ __all__ = [
     "DEFAULT_BATCH_BYTES",
     "DEFAULT_BATCH_BYTES_ACCELERATOR",
     "LAYOUTS",
+    "STACKED",
+    "STORED_IN_OUT",
     "adjust_lr",
     "batch_cap",
+    "block_dim",
+    "blocks_of",
     "describe_param",
     "dtype_name",
     "fan_shape",
@@ -36,6 +40,7 @@ __all__ = [
     "ns_settings",
     "on_exact_path",
     "param_name",
+    "split_blocks",
     "uses_gram",
 ]
 
@@ -45,9 +50,20 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral", "none")
 #: How a parameter's tensor holds its matrices (a param group's ``matrix_layouts``, one per parameter):
 #: ``"flatten"`` (the default: a 2D weight, or a conv kernel seen as ``shape[0] x prod(shape[1:])``),
 #: ``"stack"`` (a batch of matrices over the leading dims, e.g. MoE experts ``E x out x in``: each
-#: orthogonalised on its own) and ``"in_out"`` (a 2D weight stored ``in x out``, as transformers' ``Conv1D``:
-#: Newton-Schulz does not care, the lr's shape scaling does).
-LAYOUTS = ("flatten", "stack", "in_out")
+#: orthogonalised on its own), ``"in_out"`` (a 2D weight stored ``in x out``, as transformers' ``Conv1D``:
+#: Newton-Schulz does not care, the lr's shape scaling does) and ``"stack_in_out"`` (a stack whose matrices are
+#: stored ``in x out``, as GPT-OSS's experts ``E x in x out``: each orthogonalised on its own, the lr from its real
+#: ``out x in``).
+LAYOUTS = ("flatten", "stack", "in_out", "stack_in_out")
+#: A param group's ``matrix_blocks`` (one entry per parameter, ``None`` or a list of sizes) splits a fused
+#: projection (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s ``in_proj_weight``, litgpt's ``qkv``, a fused MoE
+#: ``gate_up_proj``) into row blocks along its output dim (`block_dim`): each block is orthogonalised and lr-scaled
+#: as a separate parameter would be (`split_blocks`).
+
+#: The layouts that hold a batch of matrices over the leading dims.
+STACKED = ("stack", "stack_in_out")
+#: The layouts whose matrices are stored ``in x out`` (the lr's shape scaling reads them transposed).
+STORED_IN_OUT = ("in_out", "stack_in_out")
 
 #: The default most bytes of one batched Newton-Schulz call (``ns_batch_bytes=None``) by device type: CPU
 #: matmuls reach their peak on one matrix of about 1 MiB in bf16, while small matrices gain from batching
@@ -64,8 +80,8 @@ def is_count(value: object, minimum: int = 1) -> bool:
 
 def matrix_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:
     """The ``(rows, cols)`` of each matrix Newton-Schulz works on: ``(shape[0], prod(shape[1:]))``, or the
-    last two dims for ``"stack"``."""
-    if layout == "stack":
+    last two dims for the stacked layouts (`STACKED`)."""
+    if layout in STACKED:
         return shape[-2], shape[-1]
     return shape[0], math.prod(shape[1:])
 
@@ -73,17 +89,35 @@ def matrix_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -
 def fan_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:
     """``(fan_out, fan_in)`` of each matrix, what the lr's shape scaling reads (`adjust_lr`)."""
     rows, cols = matrix_shape(shape, layout)
-    return (cols, rows) if layout == "in_out" else (rows, cols)
+    return (cols, rows) if layout in STORED_IN_OUT else (rows, cols)
 
 
 def matrices_in(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> int:
-    """How many matrices a parameter of this shape holds (more than one only for ``"stack"``)."""
-    return math.prod(shape[:-2]) if layout == "stack" else 1
+    """How many matrices a parameter of this shape holds (more than one only for the stacked layouts)."""
+    return math.prod(shape[:-2]) if layout in STACKED else 1
 
 
 def layouts_of(group: dict[str, Any]) -> list[str]:
     """The layout of each parameter of a param group (``"flatten"`` where the group names none)."""
     return group.get("matrix_layouts") or ["flatten"] * len(group["params"])
+
+
+def block_dim(layout: str) -> int:
+    """The dim of a parameter that holds its matrices' output rows (``out`` of ``out x in``), the dim a fused
+    projection's blocks split (a param group's ``matrix_blocks``): 0, or 1 for ``"in_out"``, -2 for ``"stack"``,
+    -1 for ``"stack_in_out"``."""
+    return {"in_out": 1, "stack": -2, "stack_in_out": -1}.get(layout, 0)
+
+
+def blocks_of(group: dict[str, Any]) -> list[list[int] | None]:
+    """The row blocks of each parameter of a param group (its ``matrix_blocks``; ``None``: one matrix, fused)."""
+    return group.get("matrix_blocks") or [None] * len(group["params"])
+
+
+def split_blocks(tensor: Tensor, layout: str, sizes: list[int] | None) -> list[Tensor]:
+    """Views of a fused projection's blocks (``sizes`` output rows each, along `block_dim`), each a matrix (or a
+    stack of them) of its own; ``[tensor]`` itself without blocks. In-place changes to a view reach the tensor."""
+    return [tensor] if sizes is None else list(torch.split(tensor, list(sizes), dim=block_dim(layout)))
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size | tuple[int, ...]) -> float:
@@ -123,9 +157,15 @@ def group_effective_lr(group: dict[str, Any], shape: torch.Size | tuple[int, ...
 
 
 def group_effective_lrs(group: dict[str, Any]) -> list[float]:
-    """The effective lr of every parameter of a param group, in order."""
-    layouts = layouts_of(group)
-    return [group_effective_lr(group, p.shape, layout) for p, layout in zip(group["params"], layouts, strict=True)]
+    """The effective lr of every parameter of a param group, in order; of a parameter split into blocks
+    (``matrix_blocks``), its first block's (each block's lr scale reads its own shape)."""
+    lrs = []
+    for p, layout, sizes in zip(group["params"], layouts_of(group), blocks_of(group), strict=True):
+        shape = list(p.shape)
+        if sizes:
+            shape[block_dim(layout)] = sizes[0]
+        lrs.append(group_effective_lr(group, tuple(shape), layout))
+    return lrs
 
 
 def dtype_name(dtype: torch.dtype) -> str:

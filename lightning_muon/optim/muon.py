@@ -8,8 +8,12 @@ dict can move between the two for 2D parameters. Beyond it:
   as the flattened ``(shape[0], prod(shape[1:]))`` matrix (the default), stacks
   of matrices (MoE experts) each on its own, and a weight stored ``in x out``
   gets the lr of its real shape; a param group's ``matrix_layouts`` names the
-  layout of each parameter (``"flatten"``, ``"stack"``, ``"in_out"``), and
+  layout of each parameter (``"flatten"``, ``"stack"``, ``"in_out"``, ``"stack_in_out"``), and
   `lightning_muon.route_parameters` fills it in;
+- a fused projection (``qkv``, ``gate_up_proj``) orthogonalised per block: a param group's ``matrix_blocks``
+  (one entry per parameter: ``None``, or the sizes of its row blocks along the output dim) steps each block
+  exactly as a separate parameter holding it would (its own Newton-Schulz, its own lr scale); the momentum
+  buffer stays whole. Not on DTensor parameters (FSDP2, tensor parallelism): refused;
 - matrices of the same shape are orthogonalised together in one batched call
   (up to ``ns_batch_bytes`` per call), and the elementwise work uses
   ``torch._foreach_*`` kernels;
@@ -34,6 +38,7 @@ from torch.optim import Optimizer
 
 from lightning_muon.optim import groups
 from lightning_muon.optim._choice import StrategyChoice, StrategyInfo
+from lightning_muon.optim._dtensor import is_dtensor
 from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES
 from lightning_muon.optim._update import Chooser, ParamDiagnostics
 from lightning_muon.optim.defaults import DEFAULT_GRAM_ASPECT, MUON_CLASS
@@ -124,8 +129,26 @@ def _refusal(p: Tensor, layout: str) -> str | None:
         )
     if layout not in groups.LAYOUTS:
         return f"its matrix layout {layout!r} is none of {groups.LAYOUTS}."
-    if (layout == "stack" and p.ndim < 3) or (layout == "in_out" and p.ndim != 2):
-        return f"the layout {layout!r} needs {'3 or more' if layout == 'stack' else '2'} dimensions."
+    if (layout in groups.STACKED and p.ndim < 3) or (layout == "in_out" and p.ndim != 2):
+        return f"the layout {layout!r} needs {'3 or more' if layout in groups.STACKED else '2'} dimensions."
+    return None
+
+
+def _block_refusal(p: Tensor, layout: str, sizes: Any) -> str | None:
+    """Why Muon cannot split ``p`` into these row blocks (a param group's ``matrix_blocks`` entry), or ``None``."""
+    if sizes is None:
+        return None
+    rows = p.shape[groups.block_dim(layout)] if p.ndim >= 2 else 0
+    if isinstance(sizes, str) or not all(is_count(s) for s in sizes) or sum(sizes) != rows:
+        return (
+            f"its matrix_blocks {sizes!r} must be positive block sizes that add up to its {rows} output rows "
+            f"(dim {groups.block_dim(layout)} for the layout {layout!r})."
+        )
+    if is_dtensor(p):
+        return (
+            "a fused projection split into blocks (matrix_blocks) is not supported on a sharded (DTensor) parameter "
+            "under FSDP2 or tensor parallelism; leave its blocks fused (matrix_blocks None)."
+        )
     return None
 
 
@@ -262,8 +285,16 @@ class Muon(Optimizer):
                 f"matrix_layouts must be a list with one of {groups.LAYOUTS} per parameter of the group "
                 f"({len(group['params'])}), got {layouts!r}"
             )
-        for i, (p, layout) in enumerate(zip(group["params"], groups.layouts_of(group), strict=True)):
-            problem = _refusal(p, layout) or self._choice.refusal(p)
+        blocks = group.get("matrix_blocks")
+        if blocks is not None and (isinstance(blocks, str) or len(blocks) != len(group["params"])):
+            self.param_groups.pop()
+            raise ValueError(
+                f"matrix_blocks must be a list with None or a list of block sizes per parameter of the group "
+                f"({len(group['params'])}), got {blocks!r}"
+            )
+        layouts, blocks = groups.layouts_of(group), groups.blocks_of(group)
+        for i, (p, layout, sizes) in enumerate(zip(group["params"], layouts, blocks, strict=True)):
+            problem = _refusal(p, layout) or _block_refusal(p, layout, sizes) or self._choice.refusal(p)
             if problem is not None:
                 self.param_groups.pop()  # refuse the whole group, as if it had never been added
                 raise ValueError(
@@ -286,11 +317,12 @@ class Muon(Optimizer):
             self._clear_records()
 
     def effective_lr(self, param: Tensor) -> float:
-        """The learning rate `param` really gets: its group's ``lr`` after `adjust_lr`."""
+        """The learning rate `param` really gets: its group's ``lr`` after `adjust_lr` (split into blocks by
+        ``matrix_blocks``: its first block's)."""
         for group in self.param_groups:
-            for p, layout in zip(group["params"], groups.layouts_of(group), strict=True):
+            for p, lr in zip(group["params"], groups.group_effective_lrs(group), strict=True):
                 if p is param:
-                    return groups.group_effective_lr(group, param.shape, layout)
+                    return lr
         raise ValueError(f"parameter of shape {tuple(param.shape)} is not in this optimizer")
 
     # ------------------------------------------------------------- diagnostics
@@ -326,7 +358,7 @@ class Muon(Optimizer):
                 loss = closure()
         diagnose, self._diagnose = self._diagnose, None
         every = [p for group in self.param_groups for p in group["params"]]
-        stacks = any("stack" in groups.layouts_of(group) for group in self.param_groups)
+        stacks = any(layout in groups.STACKED for group in self.param_groups for layout in groups.layouts_of(group))
         strategy = self._choice.for_step(every, self.split_ns, stacks)
         diagnostics = strategy.run(strategy.buckets(self.param_groups, self.state, diagnose is not None), diagnose)
         self.last_exchange_bytes = strategy.exchanged_bytes

@@ -14,8 +14,10 @@ every trainable parameter, in this order of precedence:
 5. the output heads -> AdamW (`find_output_heads`: the model's own conventions first);
 6. the input layer (a first conv on the raw input channels) -> AdamW;
 7. layout and shape: conv kernels (flattened), ``in x out`` weights (transformers' ``Conv1D``) and
-   stacks of matrices (each orthogonalised on its own) -> Muon, bare token and position tables ->
-   AdamW, 2D weights -> Muon, everything smaller -> AdamW.
+   stacks of matrices (each orthogonalised on its own; ``E x in x out`` where the experts say so) -> Muon;
+   bare token and position tables, stacks of vectors (a bias per expert, a router's gate vectors) and PEFT
+   adapters' scales and coefficients (DoRA's magnitude, IA3's vectors, ...) -> AdamW, 2D weights -> Muon,
+   everything smaller -> AdamW.
 
 Every route says which of these rules decided (`Rule`), and why in words. Frozen parameters go nowhere. The
 result holds ordinary param groups (with a ``name`` per group and the parameter names) and a table of every

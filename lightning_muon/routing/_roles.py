@@ -49,11 +49,166 @@ def stores_in_out(module: nn.Module, param_name: str) -> bool:
     return type(module).__name__ == "Conv1D" and param_name == "weight"
 
 
+def stacks_in_out(module: nn.Module) -> bool:
+    """An experts module whose stacks of matrices are stored ``E x in x out``, as its model says itself:
+    transformers 5's ``use_experts_implementation`` sets ``is_transposed`` (GPT-OSS: ``x @ down_proj[e]``)."""
+    return getattr(module, "is_transposed", None) is True
+
+
+def stack_beside(module: nn.Module, param_name: str, param: Tensor) -> str | None:
+    """The name of the stack of matrices in ``module`` that ``param`` holds one vector of per matrix (a per-expert
+    bias or scale ``E x n`` beside experts ``E x n x k`` or ``E x k x n``, GPT-OSS's ``gate_up_proj_bias``), or
+    ``None``. Where several stacks fit, the one whose name begins ``param_name`` (``down_proj`` for
+    ``down_proj_bias``)."""
+    if param.ndim < 2:
+        return None
+    stacks = [
+        name for name, other in module.named_parameters(recurse=False)
+        if other.ndim == param.ndim + 1 and other.shape[:-2] == param.shape[:-1] and param.shape[-1] in other.shape[-2:]
+    ]
+    return next((name for name in stacks if param_name.startswith(name)), stacks[0] if stacks else None)
+
+
+#: Class names of mixture-of-experts routers (transformers' ``MixtralTopKRouter``, ``JetMoeTopKGating``, DeepSeek's
+#: ``MoEGate``).
+_ROUTER_CLASS = re.compile(r"(Router|Gating|MoEGate)$")
+
+
+def _experts_count(name: str, child: nn.Module) -> int | None:
+    """How many experts a module holds: the leading size of its stacks of matrices, or the length of a list named
+    ``experts`` of several same-class modules (one expert each, as transformers' older MoE models)."""
+    if is_conv(child):
+        return None
+    stacks = {p.shape[0] for p in child.parameters(recurse=False) if p.ndim >= 3 and 1 not in p.shape}
+    if len(stacks) == 1:
+        return stacks.pop()
+    if isinstance(child, nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts":
+        experts = list(child)
+        if len(experts) > 1 and len({type(c) for c in experts}) == 1:
+            return len(experts)
+    return None
+
+
+def routers(module: nn.Module) -> dict[str, tuple[Rule, int]]:
+    """Mixture-of-experts routers and gates, by module name, with the rule that found each and its number of gate
+    vectors: a module with a router's class name (`Rule.MODULE_TYPE`), or one beside the experts whose weight has
+    a row per expert or a single row (a shared expert's gate, Qwen2-MoE's ``shared_expert_gate``:
+    `Rule.STRUCTURE`). Its weight is one gate vector per expert, not a hidden layer's matrix."""
+    found: dict[str, tuple[Rule, int]] = {}
+    for name, m in module.named_modules():
+        children = {f"{name}.{c}" if name else c: child for c, child in m.named_children()}
+        counts = {n for c, child in children.items() if (n := _experts_count(c, child)) is not None}
+        for child_name, child in children.items():
+            weight = getattr(child, "weight", None)
+            if not isinstance(weight, Tensor) or weight.ndim != 2 or is_conv(child) or isinstance(child, EMBEDDINGS):
+                continue
+            if _ROUTER_CLASS.search(type(child).__name__):
+                found[child_name] = (Rule.MODULE_TYPE, weight.shape[0])
+            elif counts and (weight.shape[0] in counts or weight.shape[0] == 1):  # a shared expert's gate: 1 row
+                found.setdefault(child_name, (Rule.STRUCTURE, weight.shape[0]))
+    return found
+
+
+#: PEFT's adapter parameters that are no linear map's matrix, by the name PEFT gives them (a path segment), with
+#: what they are: elementwise scales and magnitudes, rotation generators, selection logits, coefficients. PEFT's
+#: matrices (``lora_A``, LoHa's ``hada_w*``, LoKr's ``lokr_w*``, ``miss_block``, DeLoRA's and GraLoRA's ``A``/``B``)
+#: are not here: they go by their shape.
+ADAPTER_COEFFICIENTS = {
+    "lora_magnitude_vector": "DoRA's magnitude, a scale per output",
+    "lora_E": "AdaLoRA's singular values",
+    "ia3_l": "IA3's scaling vector",
+    "boft_s": "BOFT's scale per output",
+    "boft_R": "BOFT's rotation generators (skew blocks)",
+    "oft_R": "OFT's rotation generators (packed skew blocks)",
+    "oft_embedding_R": "OFT's rotation generators (packed skew blocks)",
+    "vera_lambda_b": "VeRA's scaling vector",
+    "vera_lambda_d": "VeRA's scaling vector",
+    "pvera_lambda_b": "PVeRA's scaling vector",
+    "pvera_lambda_d": "PVeRA's scaling vector",
+    "randlora_lambda": "RandLoRA's diagonal scales",
+    "randlora_gamma": "RandLoRA's diagonal scales",
+    "hra_u": "HRA's Householder vectors",
+    "vblora_logits_A": "VB-LoRA's selection logits",
+    "vblora_logits_B": "VB-LoRA's selection logits",
+    "vblora_vector_bank": "VB-LoRA's bank of sub-vectors",
+    "c3a_kernel": "C3A's circular-convolution kernels",
+    "fourierft_spectrum": "FourierFT's spectral coefficients",
+    "waveft_spectrum": "WaveFT's wavelet coefficients",
+    "shira_weight": "SHiRA's sparse entries",
+    "delora_lambda": "DeLoRA's norm bound",
+    "road_theta": "RoAd's rotation angles",
+    "road_alpha": "RoAd's scales",
+    "frod_lambda_l": "FRoD's scales",
+    "frod_lambda_s_values": "FRoD's scales",
+    "beft_bias": "BEFT's bias",
+    "tinylora_v": "TinyLoRA's coefficients",
+    "unilora_theta_d": "Uni-LoRA's coefficients",
+}
+
+
+def adapter_parameters(module: nn.Module) -> dict[str, str]:
+    """PEFT's adapter parameters by full name, each with its adapter's name (``ia3_l``): every tuner layer lists
+    the names of its own (``adapter_layer_names``), whatever the method."""
+    found: dict[str, str] = {}
+    for name, m in module.named_modules():
+        segments = getattr(m, "adapter_layer_names", None)
+        if not isinstance(segments, tuple | list):
+            continue
+        for segment in segments:
+            held = getattr(m, segment, None)
+            if isinstance(held, nn.Module):
+                prefix = f"{name}.{segment}" if name else segment
+                found.update((f"{prefix}.{p_name}", segment) for p_name, _ in held.named_parameters())
+    return found
+
+
+def fused_projections(module: nn.Module) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+    """The fused projections of a model, by parameter name: what their blocks are (``"q, k, v"``) and their sizes
+    along the output dim (``None`` where the blocks are interleaved, not contiguous), found by module type and
+    shape: ``nn.MultiheadAttention``'s ``in_proj_weight``, transformers' ``Conv1D`` ``c_attn`` of an attention of
+    ``embed_dim`` (GPT-2), litgpt's ``qkv`` (unequal blocks under grouped-query attention), and transformers 5's
+    fused experts' ``gate_up_proj`` (``has_gate``; ``is_concatenated`` says contiguous or interleaved)."""
+    found: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+    for name, m in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, nn.MultiheadAttention) and m.in_proj_weight is not None:
+            found[f"{prefix}in_proj_weight"] = ("q, k, v", (m.embed_dim,) * 3)
+        gate_up = getattr(m, "gate_up_proj", None)
+        if getattr(m, "has_gate", None) is True and isinstance(gate_up, Tensor) and gate_up.ndim >= 3:
+            rows = gate_up.shape[-1] if stacks_in_out(m) else gate_up.shape[-2]
+            contiguous = getattr(m, "is_concatenated", True) is True
+            found[f"{prefix}gate_up_proj"] = ("gate, up", (rows // 2,) * 2 if contiguous else None)
+        embed_dim, config = getattr(m, "embed_dim", None), getattr(m, "config", None)
+        for child_name, child in m.named_children():
+            weight = f"{prefix}{child_name}.weight"
+            if type(child).__name__ == "Conv1D" and isinstance(embed_dim, int):
+                out = getattr(child, "nf", None)
+                if out == 3 * embed_dim:
+                    found[weight] = ("q, k, v", (embed_dim,) * 3)
+                elif out == 2 * embed_dim and getattr(m, "is_cross_attention", False):
+                    found[weight] = ("k, v", (embed_dim,) * 2)
+            if child_name == "qkv" and isinstance(child, nn.Linear) and config is not None:
+                sizes = _litgpt_qkv(config)
+                if sizes is not None and sum(sizes) == child.out_features:
+                    found[weight] = ("q, k, v", sizes)
+    return found
+
+
+def _litgpt_qkv(config: object) -> tuple[int, int, int] | None:
+    """litgpt's ``qkv`` blocks from its config: ``n_head`` query heads, ``n_query_groups`` key and value heads of
+    ``head_size`` each, contiguous (``qkv.split((q, k, v))`` in its forward)."""
+    heads, groups, size = (getattr(config, key, None) for key in ("n_head", "n_query_groups", "head_size"))
+    if not all(isinstance(v, int) for v in (heads, groups, size)):
+        return None
+    return heads * size, groups * size, groups * size  # type: ignore[operator]
+
+
 def is_table(param_name: str, param: Tensor) -> bool:
     """A bare parameter that is a token or a position table (``cls_token``, ``pos_embed``, ...): by its name
-    (`is_table_name`), or a stack with a singleton matrix dimension."""
-    singleton = param.ndim >= 2 and 1 in param.shape[-2:]
-    return is_table_name(param_name) or (param.ndim > 2 and singleton)
+    (`is_table_name`), or one token's row with singleton leading dimensions (``1 x 1 x d``: a stack of several
+    vectors, ``E x d x 1``, is not a table)."""
+    token = param.ndim > 2 and 1 in param.shape[-2:] and all(size == 1 for size in param.shape[:-2])
+    return is_table_name(param_name) or token
 
 
 def is_table_name(param_name: str) -> bool:

@@ -34,7 +34,8 @@ class Routing:
         Each group is ``{"name": ..., "params": [(param_name, tensor), ...]}``,
         which every ``torch.optim.Optimizer`` accepts (it keeps the names as
         ``param_names``); a Muon group with stacked or ``in x out`` matrices also has
-        ``"matrix_layouts"``, one per parameter.
+        ``"matrix_layouts"``, one per parameter, and one with fused projections split into blocks
+        ``"matrix_blocks"``.
         """
         algorithm = Algorithm(optimizer)
         groups: list[dict[str, Any]] = []
@@ -45,6 +46,8 @@ class Routing:
             groups.append({"name": group.value, "params": [(r.name, self.params[r.name]) for r in routes]})
             if any(r.layout != "flatten" for r in routes):  # only where needed: plain groups stay as they were
                 groups[-1]["matrix_layouts"] = [r.layout for r in routes]
+            if any(r.blocks for r in routes):
+                groups[-1]["matrix_blocks"] = [list(r.blocks) if r.blocks else None for r in routes]
         return groups
 
     @property
@@ -63,7 +66,7 @@ class Routing:
         """The same routes with every Muon parameter on AdamW instead (the ``muon=None`` baseline), so the
         table shows where parameters really go; their group stays ``hidden``."""
         moved = [
-            replace(r, optimizer=Algorithm.ADAMW, reason=f"{r.reason}; {why}", layout="flatten")
+            replace(r, optimizer=Algorithm.ADAMW, reason=f"{r.reason}; {why}", layout="flatten", blocks=None)
             if r.optimizer is Algorithm.MUON else r
             for r in self.routes
         ]

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
+from lightning_muon.optim import groups
 from lightning_muon.routing import _roles
 from lightning_muon.routing._route import Route
 from lightning_muon.routing._routing import Routing
@@ -52,13 +53,19 @@ class Kind(Enum):
     BIAS = "bias"
     #: Any other tensor under 2 dimensions (norm weights, scales, scalars).
     VECTOR = "vector"
+    #: A stack of vectors, whatever its number of dimensions: one bias or scale per matrix of a stack beside it (a
+    #: per-expert bias ``E x out``), a stack whose matrices have a side of 1, a router's gate vector per expert.
+    VECTORS = "stack of vectors"
+    #: An adapter's parameter that is no linear map's matrix, whatever its shape: an elementwise scale or magnitude
+    #: (DoRA, IA3, VeRA), rotation generators (OFT, BOFT), selection logits (VB-LoRA), coefficients.
+    COEFFICIENTS = "adapter coefficients"
     #: A bare token or position table (``cls_token``, ``pos_embed``).
     TABLE = "table"
     #: A convolution's kernel, seen as ``shape[0] x prod(shape[1:])``.
     KERNEL = "kernel"
     #: A 2D weight (``out x in``, or ``in x out`` as transformers' ``Conv1D``).
     MATRIX = "matrix"
-    #: A stack of matrices over the leading dimensions (MoE experts ``E x out x in``).
+    #: A stack of matrices over the leading dimensions (MoE experts ``E x out x in``, or ``E x in x out``).
     STACK = "stack"
 
 
@@ -74,7 +81,7 @@ class Decision:
     rule: Rule
     #: What the tensor is (the layout rule's verdict, kept by every rule that overrules it): rules read this.
     kind: Kind
-    #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``).
+    #: How Muon sees the tensor's matrices (``"flatten"``, ``"stack"``, ``"in_out"``, ``"stack_in_out"``).
     layout: str = "flatten"
 
     def overruled(self, optimizer: Algorithm, group: str, reason: str, rule: Rule, layout: str = "flatten") -> Decision:
@@ -89,19 +96,66 @@ class Decision:
 _TWO_D_ONLY = "{}D tensor and the Muon class is 2D-only"
 
 
-def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool) -> Decision:
+@dataclass(frozen=True)
+class _Context:
+    """What the model as a whole says about one parameter, beyond its own module: the layout rule reads it."""
+
+    #: The router it is the weight of, with the rule that found it and its number of experts (`_roles.routers`).
+    router: tuple[Rule, int] | None = None
+    #: PEFT's name of the adapter it belongs to (``ia3_l``), or None (`_roles.adapter_parameters`).
+    adapter: str | None = None
+
+
+def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool,
+                  context: _Context = _Context()) -> Decision:
     """The `Decision` for a parameter that no user pattern, module type, tie or head decided: by its shape and
-    its module's kind (a conv kernel, a weight stored in x out, a stack of matrices, a bare table)."""
+    its module's kind (a conv kernel, a weight stored in x out, a stack of matrices or of vectors, a router, an
+    adapter's coefficients, a bare table)."""
+    decision = _by_shape(name, p, module, param_name, muon_nd, context)
+    if context.adapter is not None and decision.optimizer is Algorithm.ADAMW:  # a vector of an adapter
+        return replace(decision, group="adapters")
+    return decision
+
+
+def _by_shape(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool, context: _Context) -> Decision:
+    return _not_a_matrix(name, p, module, param_name, context) or _matrices(p, module, param_name, muon_nd)
+
+
+def _not_a_matrix(name: str, p: Tensor, module: nn.Module, param_name: str, context: _Context) -> Decision | None:
+    """The `Decision` for a tensor that holds no matrix, whatever its number of dimensions: an adapter's
+    coefficients, a vector, a router's or a stack's vectors, a table; None for matrices."""
     shape = tuple(p.shape)
+    dims = "x".join(map(str, shape))
     own_weight = param_name == "weight" and not isinstance(module, nn.ParameterList | nn.ParameterDict)
+    if context.adapter in _roles.ADAPTER_COEFFICIENTS:
+        reason = f"not a matrix: {_roles.ADAPTER_COEFFICIENTS[context.adapter]} ({dims})"
+        return Decision(Algorithm.ADAMW, "adapters", reason, Rule.CONVENTION, Kind.COEFFICIENTS)
     if p.ndim < 2:
         if name.endswith("bias"):
             return Decision(Algorithm.ADAMW, "norms_and_biases", "bias", Rule.SHAPE, Kind.BIAS)
         return Decision(Algorithm.ADAMW, "norms_and_biases", f"{p.ndim}D tensor", Rule.SHAPE, Kind.VECTOR)
+    if context.router is not None and own_weight:
+        rule, gates = context.router
+        reason = (f"router: a stack of vectors, one gate vector per expert ({gates} experts)" if gates > 1
+                  else "gate beside the experts: a vector (1 row)")
+        return Decision(Algorithm.ADAMW, "norms_and_biases", reason, rule, Kind.VECTORS)
     if not own_weight and not _roles.is_conv(module) and _roles.is_table(param_name, p):
         rule = Rule.NAME if _roles.is_table_name(param_name) else Rule.SHAPE
-        dims = "x".join(map(str, shape))
         return Decision(Algorithm.ADAMW, "embeddings", f"token or position table ({dims})", rule, Kind.TABLE)
+    stack = _roles.stack_beside(module, param_name, p)
+    if stack is not None:
+        what = "bias" if name.endswith("bias") else "vector"
+        reason = f"stack of vectors ({dims}): one {what} per matrix of `{stack}`"
+        return Decision(Algorithm.ADAMW, "norms_and_biases", reason, Rule.STRUCTURE, Kind.VECTORS)
+    if p.ndim > 2 and 1 in shape[-2:] and not _roles.is_conv(module):
+        reason = f"stack of vectors ({dims}): its matrices have a side of 1"
+        return Decision(Algorithm.ADAMW, "norms_and_biases", reason, Rule.SHAPE, Kind.VECTORS)
+    return None
+
+
+def _matrices(p: Tensor, module: nn.Module, param_name: str, muon_nd: bool) -> Decision:
+    """The `Decision` for a tensor of matrices: a conv kernel, a matrix (stored in x out or not), a stack."""
+    shape = tuple(p.shape)
     if _roles.is_conv(module) and param_name == "weight":
         if not muon_nd:
             return Decision(Algorithm.ADAMW, "other", _TWO_D_ONLY.format(p.ndim), Rule.SHAPE, Kind.KERNEL)
@@ -117,7 +171,12 @@ def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon
         return Decision(Algorithm.MUON, "hidden", "hidden matrix", Rule.SHAPE, Kind.MATRIX)
     if not muon_nd:
         return Decision(Algorithm.ADAMW, "other", _TWO_D_ONLY.format(p.ndim), Rule.SHAPE, Kind.STACK)
-    reason = f"{math.prod(shape[:-2])} stacked matrices {shape[-2]}x{shape[-1]}, each orthogonalised"
+    count = math.prod(shape[:-2])
+    if _roles.stacks_in_out(module):
+        reason = (f"{count} stacked matrices stored in x out ({shape[-1]}x{shape[-2]} out x in, the experts' "
+                  "is_transposed), each orthogonalised")
+        return Decision(Algorithm.MUON, "hidden", reason, Rule.CONVENTION, Kind.STACK, "stack_in_out")
+    reason = f"{count} stacked matrices {shape[-2]}x{shape[-1]}, each orthogonalised"
     return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.STACK, "stack")
 
 
@@ -256,6 +315,8 @@ def route_parameters(
     adamw_params: Sequence[str] = (),
     muon_nd: bool = True,
     graph: GraphRoles | None = None,
+    split_fused: bool = False,
+    matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
 ) -> Routing:
     """Decide Muon or AdamW for every trainable parameter of ``module``, with a reason and the rule that decided.
 
@@ -270,6 +331,16 @@ def route_parameters(
         graph: what a training batch showed (`trace_roles`): output heads, input layers and hidden
             matrices, found from the computation. It decides for matrices after user patterns, module
             type and ties; the name and structure rules decide what it did not see.
+        split_fused: orthogonalise the blocks of every fused projection found (above) on their own.
+        matrix_blocks: glob patterns on full parameter names -> the row-block sizes of those Muon parameters along
+            their output dim (``{"*.c_attn.weight": [768, 768, 768]}``), or ``None`` to keep a found one fused;
+            the first matching pattern decides, over ``split_fused``.
+
+    Fused projections (``nn.MultiheadAttention``'s ``in_proj_weight``, GPT-2's ``c_attn``, litgpt's ``qkv``,
+    transformers' fused MoE ``gate_up_proj``) are found by module type and shape and named in the reason. With
+    ``split_fused`` each of their blocks is orthogonalised and lr-scaled as a separate layer's would be (the
+    Muon group's ``matrix_blocks``); by default they stay one matrix, as before (no measurement has shown the
+    split better yet).
 
     PEFT LoRA's adapters: ``lora_A`` (``r x in``) is a hidden matrix, on Muon; ``lora_B`` (``out x r``) goes to
     AdamW (group ``adapters``), where it trained better in the measured recipe (``benchmarks/finetune.py``).
@@ -289,7 +360,8 @@ def route_parameters(
 
     Raises:
         ValueError: a pattern matches nothing, a parameter matches both kinds
-            of pattern, or a tensor Muon cannot take is forced to Muon.
+            of pattern, a tensor Muon cannot take is forced to Muon, or ``matrix_blocks`` sets blocks that do not
+            fit a parameter (or any with a Muon class that cannot split them, ``muon_nd=False``).
     """
     trainable: dict[str, Tensor] = {name: p for name, p in module.named_parameters() if p.requires_grad}
     lazy = [name for name, p in trainable.items() if is_lazy(p)]
@@ -307,24 +379,85 @@ def route_parameters(
     aliases = {name: [alias for alias, _ in owners[id(p)]] for name, p in trainable.items()}
     _check_patterns("muon_params", muon_params, aliases)
     _check_patterns("adamw_params", adamw_params, aliases)
+    _check_patterns("matrix_blocks", list(matrix_blocks or {}), aliases)
     heads = _roles.output_heads(module)
     input_layer = _roles.find_input_layer(module)
+    routers = _roles.routers(module)
+    adapters = _roles.adapter_parameters(module)
 
     routes = []
     for name, p in trainable.items():
         role = _role(name, owners[id(p)], heads, input_layer, graph)
         to_muon, to_adamw = (_matched(patterns, aliases[name]) for patterns in (muon_params, adamw_params))
-        by_layout = _layout_route(name, p, role.module, name.rsplit(".", 1)[-1], muon_nd)
+        router = next((routers[_module_of(a)] for a in aliases[name] if _module_of(a) in routers), None)
+        context = _Context(router=router, adapter=next((adapters[a] for a in aliases[name] if a in adapters), None))
+        by_layout = _layout_route(name, p, role.module, name.rsplit(".", 1)[-1], muon_nd, context)
         if to_muon or to_adamw:
             decision = _pattern_route(name, p, role, by_layout, to_muon, to_adamw, muon_nd)
         else:
             decision = _adapter_route(aliases[name], _role_route(role, by_layout) or by_layout)
         routes.append(decision.route(name, tuple(p.shape)))
 
+    routes = _with_blocks(routes, trainable, aliases, _roles.fused_projections(module), split_fused,
+                          dict(matrix_blocks or {}), muon_nd)
     routed = [r.name for r in routes]
     if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's
         raise RuntimeError(f"lightning_muon routed {sorted(routed)} for the trainable parameters {sorted(trainable)}")
     return Routing(routes=routes, params=dict(trainable), roles_from=_roles_from(graph))
+
+
+def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[str, list[str]],
+                 fused: dict[str, tuple[str, tuple[int, ...] | None]], split_fused: bool,
+                 patterns: dict[str, Sequence[int] | None], muon_nd: bool) -> list[Route]:
+    """``routes`` with the fused projections' blocks: named in the reason where found, split where ``split_fused``
+    or a ``matrix_blocks`` pattern says so."""
+    done = []
+    for r in routes:
+        found = next((fused[a] for a in aliases[r.name] if a in fused), None)
+        pattern = _matched(list(patterns), aliases[r.name])
+        if r.optimizer is not Algorithm.MUON:
+            if pattern is not None and patterns[pattern] is not None:
+                raise ValueError(f"matrix_blocks pattern {pattern!r} matches `{r.name}`, which goes to AdamW "
+                                 f"({r.reason}); blocks are Muon's: narrow the pattern")
+            done.append(r)
+            continue
+        if pattern is not None:
+            given = patterns[pattern]
+            sizes = None if given is None else tuple(given)
+        else:
+            sizes = found[1] if split_fused and found is not None else None
+        if sizes is not None:
+            _check_blocks(r, params[r.name], sizes, pattern, muon_nd)
+        done.append(replace(r, reason=_blocks_reason(r.reason, found, sizes, pattern), blocks=sizes))
+    return done
+
+
+def _check_blocks(r: Route, p: Tensor, sizes: tuple[int, ...], pattern: str | None, muon_nd: bool) -> None:
+    """Refuse blocks that do not cover a parameter's output rows, and blocks for a Muon class that cannot split."""
+    origin = f"matrix_blocks pattern {pattern!r}" if pattern else "split_fused"
+    if not muon_nd:
+        raise ValueError(f"{origin} splits `{r.name}` into blocks, which torch.optim.Muon cannot do (it would "
+                         "orthogonalise the fused matrix): use lightning_muon.Muon, or drop the blocks")
+    rows = p.shape[groups.block_dim(r.layout)]
+    if not all(isinstance(s, int) and s > 0 for s in sizes) or sum(sizes) != rows:
+        raise ValueError(f"{origin} gives `{r.name}` of shape {tuple(p.shape)} the blocks {list(sizes)}, which do not "
+                         f"add up to its {rows} output rows; give positive sizes that do")
+
+
+def _blocks_reason(reason: str, found: tuple[str, tuple[int, ...] | None] | None, sizes: tuple[int, ...] | None,
+                   pattern: str | None) -> str:
+    """The reason, with what is fused and whether its blocks are orthogonalised on their own."""
+    if sizes is not None:
+        what = f"fused {found[0]}" if found else "blocks"
+        via = f" (matrix_blocks {pattern!r})" if pattern else ""
+        return f"{reason}; {what} {'+'.join(map(str, sizes))}: each block orthogonalised{via}"
+    if found is None:
+        return reason
+    what, found_sizes = found
+    if found_sizes is None:
+        return f"{reason}; fused {what}, interleaved: orthogonalised whole"
+    off = f"matrix_blocks {pattern!r}" if pattern else "split_fused=True splits it"
+    return f"{reason}; fused {what} {'+'.join(map(str, found_sizes))}, orthogonalised whole ({off})"
 
 
 def _roles_from(graph: GraphRoles | None) -> str:

@@ -706,6 +706,11 @@ PARAM_ERRORS = [
     ),
     (lambda: [{"params": [_w(4, 3)], "matrix_layouts": ["stack"]}], ValueError, r"layout 'stack' needs 3 or more"),
     (lambda: [{"params": [_w(2, 4, 3)], "matrix_layouts": ["in_out"]}], ValueError, r"layout 'in_out' needs 2"),
+    (
+        lambda: [{"params": [_w(4, 3)], "matrix_layouts": ["stack_in_out"]}],
+        ValueError,
+        r"layout 'stack_in_out' needs 3 or more",
+    ),
     (lambda: [{"params": [_w(4, 3)], "matrix_layouts": ["rows"]}], ValueError, r"matrix layout 'rows' is none of"),
 ]
 
@@ -714,7 +719,7 @@ PARAM_ERRORS = [
     ("make_params", "error", "pattern"),
     PARAM_ERRORS,
     ids=["1d", "0d", "named", "named-second-group", "second-group", "layouts-length", "stack-2d", "in_out-3d",
-         "unknown-layout"],
+         "stack_in_out-2d", "unknown-layout"],
 )
 def test_vectors_are_refused_with_their_name_and_shape(make_params, error, pattern):
     with pytest.raises(error, match=pattern):
