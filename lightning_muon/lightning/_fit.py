@@ -29,6 +29,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_muon.lightning import _checkpoint, _checks, _compat, _finetuning, _first_batch, _unfreezing
 from lightning_muon.lightning._config import MuonConfig
 from lightning_muon.lightning._update_loop import UpdateSettings, loss_in
+from lightning_muon.optim import _precision
 from lightning_muon.routing import ADAMW, MUON, Algorithm, GraphRoles, Routing, trace_step
 
 if TYPE_CHECKING:
@@ -245,6 +246,8 @@ def build_optimizers(module: LightningModule, routing: Routing, config: MuonConf
         if keep_both and not routing.groups(algorithm):
             rank_zero_info(f"MuonMixin: no parameter is routed to {algorithm} yet: it holds an empty group until a "
                            "finetuning callback unfreezes parameters for it.")
+    if (precision := _precision.fit_start_line(built.get(MUON))) is not None:  # every rank: the ranks agree
+        rank_zero_info(precision)  # the Newton-Schulz dtype chosen by hardware (issue 43)
     if config.lr_scheduler_factory is None:
         return built, []
     return built, config.build_schedulers(list(built.values()), lambda: module.trainer.estimated_stepping_batches)
