@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from rich.progress import Progress
@@ -95,9 +95,9 @@ def timed(fn: Callable[[], object]) -> float:
 _MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}
 #: Our variants: label -> extra Muon arguments.
 OURS = {
-    "ours (bf16)": {},
-    "ours (bf16, Gram off)": {"ns_gram_aspect": None},
-    "ours (bf16, Polar Express)": {"ns_coefficients": "polar_express"},
+    "ours (bf16)": {"ns_dtype": torch.bfloat16},
+    "ours (bf16, Gram off)": {"ns_dtype": torch.bfloat16, "ns_gram_aspect": None},
+    "ours (bf16, Polar Express)": {"ns_dtype": torch.bfloat16, "ns_coefficients": "polar_express"},
     "ours (fp32)": {"ns_dtype": torch.float32},
 }
 TORCH_MUON = "torch.optim.Muon (bf16)"
@@ -135,8 +135,9 @@ def first_update_error(optimizer: torch.optim.Optimizer, params: list[torch.nn.P
     return statistics.mean(errors)
 
 
-def bench_model(name: str, repeats: int, progress: Progress) -> list[dict]:
-    """Median step time of every optimizer, each on its own copy of the same parameters and gradients.
+def bench_model(name: str, repeats: int, progress: Progress, labels: Sequence[str] | None = None) -> list[dict]:
+    """Median step time of every optimizer (or of ``labels``), each on its own copy of the same parameters and
+    gradients.
 
     The optimizers take turns step by step, so a slow spell of the machine hits all of them alike.
     """
@@ -145,7 +146,7 @@ def bench_model(name: str, repeats: int, progress: Progress) -> list[dict]:
     initial = [torch.randn(s, device=DEVICE) * 0.02 for s in shapes]
     grads = [torch.randn(s, device=DEVICE) for s in shapes]
     steps, flops, errors = {}, {}, {}
-    for label in [*OURS, TORCH_MUON, ADAMW]:
+    for label in labels or [*OURS, TORCH_MUON, ADAMW]:
         if DEVICE.type != "cpu" and "fp32" in label:
             continue  # bf16 Newton-Schulz is the choice on accelerators
         flat = label == TORCH_MUON  # torch.optim.Muon takes 2D parameters only: conv kernels flattened

@@ -114,7 +114,7 @@ class MuonWithAdamW(Optimizer):
         adamw_amsgrad: bool = PAIRED_ADAMW.amsgrad,
         foreach: bool | None = None,
         fused: bool | None = None,
-        ns_dtype: torch.dtype | str = PAIRED_MUON.ns_dtype,
+        ns_dtype: torch.dtype | str | None = PAIRED_MUON.ns_dtype,
         ns_batch_bytes: int | None = PAIRED_MUON.ns_batch_bytes,
         ns_gram_aspect: float | None = PAIRED_MUON.ns_gram_aspect,
         split_ns: bool = PAIRED_MUON.split_ns,

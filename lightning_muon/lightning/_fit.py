@@ -32,7 +32,8 @@ from lightning_muon.lightning import _checkpoint, _checks, _compat, _finetuning,
 from lightning_muon.lightning._config import MuonConfig
 from lightning_muon.lightning._pair import OptimizerPair, layout_of, saved_added_members
 from lightning_muon.lightning._update_loop import UpdateSettings
-from lightning_muon.routing import GraphRoles, Routing, loss_in, trace_step
+from lightning_muon.optim.groups import ns_dtype_line
+from lightning_muon.routing import MUON, GraphRoles, Routing, loss_in, trace_step
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -231,6 +232,8 @@ def build_optimizers(module: LightningModule, routing: Routing, routing_now: Cal
     rank_zero_info("\n" + routing.render())
     pair = OptimizerPair(config, routing_now, keep_both=fit is not None and fit.keep_both)
     optimizers = list(pair.build(routing).values())
+    if (precision := ns_dtype_line(pair.optimizers.get(MUON))) is not None:  # every rank: they agree
+        rank_zero_info(precision)  # the Newton-Schulz dtype chosen by hardware
     if config.lr_scheduler_factory is None:
         return pair, []
     return pair, config.build_schedulers(optimizers, lambda: module.trainer.estimated_stepping_batches)

@@ -6,7 +6,8 @@ by the callbacks and the Lightning config), ``_update`` (momentum, orthogonalise
 of same-shape matrices), ``_collectives`` (process groups and byte exchanges), ``_plan`` (which rank
 orthogonalises which matrices, exchange rounds), ``_strategies`` (local, DDP-split, FSDP2-owner), ``_choice``
 (which strategy, said once, and `StrategyInfo`, what `Muon.strategy` tells of it), `muon` (the optimizer
-class). ``_dtensor`` (is a tensor a DTensor?) sits under them all, `schedulers` stands apart. Nothing here
+class). ``_precision`` (the Newton-Schulz dtype by hardware, agreed across ranks) serves `groups`; ``_dtensor`` (is
+a tensor a DTensor?) sits under them all, `schedulers` stands apart. Nothing here
 imports Lightning (``tests/test_layout.py`` checks it).
 """
 

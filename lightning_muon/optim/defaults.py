@@ -36,7 +36,9 @@ class MuonDefaults:
     eps: float = DEFAULT_EPS
     ns_steps: int = DEFAULT_NS_STEPS
     adjust_lr_fn: str | None = None
-    ns_dtype: torch.dtype = torch.bfloat16
+    #: ``None``: by hardware, bf16 where the device computes it natively, float32 where it would be emulated
+    #: (``lightning_muon.optim._precision``); ``torch.optim.Muon`` always computes in bf16.
+    ns_dtype: torch.dtype | None = None
     ns_batch_bytes: int | None = None
     ns_gram_aspect: float | None = DEFAULT_GRAM_ASPECT
     split_ns: bool = True

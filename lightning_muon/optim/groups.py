@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_muon.optim import _precision
+
 __all__ = [
     "ADJUST_LR_FNS",
     "DEFAULT_BATCH_BYTES",
@@ -37,6 +39,7 @@ __all__ = [
     "matrices_in",
     "matrix_shape",
     "ns_dtype",
+    "ns_dtype_line",
     "ns_settings",
     "on_exact_path",
     "param_name",
@@ -182,10 +185,22 @@ def _dtype_from_name(name: str) -> torch.dtype:
 
 
 def ns_dtype(group: dict[str, Any]) -> torch.dtype:
-    """A group's Newton-Schulz dtype: stored by name (a torch.dtype from older state dicts works too);
-    bf16 for groups without one (``torch.optim.Muon``'s)."""
+    """A group's Newton-Schulz dtype: stored by name (a torch.dtype from older state dicts works too); ``None``
+    (`lightning_muon.Muon`'s default) leaves it to the hardware of the group's device (bf16 where native, else
+    float32: ``lightning_muon.optim._precision``); bf16 for groups without one (``torch.optim.Muon``'s)."""
     dtype = group.get("ns_dtype", "bfloat16")
+    if dtype is None:
+        params = group["params"]
+        return _precision.ns_dtype_for(params[0].device if params else torch.device("cpu"))
     return dtype if isinstance(dtype, torch.dtype) else _dtype_from_name(dtype)
+
+
+def ns_dtype_line(optimizer: torch.optim.Optimizer | None) -> str | None:
+    """The line that says which Newton-Schulz dtype the hardware chose for ``optimizer``'s groups that leave it to
+    the hardware (``ns_dtype=None``), and why, for a caller to show once; ``None`` where every group names its
+    dtype, or there is no optimizer. Every rank must call it: under several ranks it may all-reduce, so that they
+    agree."""
+    return _precision.fit_start_line(optimizer)
 
 
 def ns_settings(group: dict[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,8 @@ dict can move between the two for 2D parameters. Beyond it:
 - matrices of the same shape are orthogonalised together in one batched call
   (up to ``ns_batch_bytes`` per call), and the elementwise work uses
   ``torch._foreach_*`` kernels;
-- the Newton-Schulz compute dtype is a choice (``ns_dtype``);
+- the Newton-Schulz compute dtype is a choice (``ns_dtype``), by default the hardware's: bf16 where native,
+  float32 where bf16 would be emulated;
 - ``adjust_lr_fn`` also offers ``"spectral"`` and ``"none"``;
 - on request, a step records how orthogonal each update was
   (`Muon.record_diagnostics`), at no cost on other steps.
@@ -36,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_muon.optim import groups
+from lightning_muon.optim import _precision, groups
 from lightning_muon.optim._choice import StrategyChoice, StrategyInfo
 from lightning_muon.optim._dtensor import is_dtensor
 from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES
@@ -53,7 +54,7 @@ __all__ = ["ADJUST_LR_FNS", "DEFAULT_GRAM_ASPECT", "EXCHANGE_ROUND_BYTES", "Muon
 
 #: Param group keys ``torch.optim.Muon`` does not have, with the value a group saved without them gets.
 _OWN_GROUP_KEYS: dict[str, Any] = {
-    "ns_dtype": groups.dtype_name(MUON_CLASS.ns_dtype),
+    "ns_dtype": MUON_CLASS.ns_dtype,
     "ns_batch_bytes": MUON_CLASS.ns_batch_bytes,
     "ns_gram_aspect": MUON_CLASS.ns_gram_aspect,
 }
@@ -90,8 +91,8 @@ _CHECKS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "ns_steps": ("ns_steps", lambda v: is_count(v) and v < 100, "must be an int in [1, 100); the default is 5"),
     "ns_dtype": (
         "ns_dtype",
-        lambda v: isinstance(v, torch.dtype) and v.is_floating_point,
-        "must be a floating dtype, e.g. torch.bfloat16",
+        lambda v: v is None or (isinstance(v, torch.dtype) and v.is_floating_point),
+        "must be None (by hardware) or a floating dtype, e.g. torch.bfloat16",
     ),
     "ns_batch_bytes": ("ns_batch_bytes", lambda v: v is None or is_count(v, minimum=0), "must be None or an int >= 0"),
 }
@@ -115,7 +116,7 @@ def _group_defaults(arguments: dict[str, Any]) -> dict[str, Any]:
     return {
         **arguments,
         "ns_coefficients": coefficients if isinstance(coefficients, str) else tuple(coefficients),
-        "ns_dtype": groups.dtype_name(ns_dtype),
+        "ns_dtype": None if ns_dtype is None else groups.dtype_name(ns_dtype),
     }
 
 
@@ -198,8 +199,11 @@ class Muon(Optimizer):
         ns_steps: Newton-Schulz iterations.
         adjust_lr_fn: shape scaling of the lr, see `adjust_lr`: ``None``/``"original"``,
             ``"match_rms_adamw"``, ``"spectral"`` or ``"none"``.
-        ns_dtype: compute dtype of Newton-Schulz (default: ``torch.bfloat16``, as torch; ``torch.float32``
-            where bf16 matmuls are slow); a name such as ``"float32"`` is accepted too.
+        ns_dtype: compute dtype of Newton-Schulz; a name such as ``"float32"`` is accepted too. Default ``None``:
+            by hardware, decided at the first step for the parameters' device, the same on every rank:
+            ``torch.bfloat16`` (``torch.optim.Muon``'s) where the device computes it natively (CUDA from
+            Ampere on, CPUs with AVX512-BF16 or AMX), ``torch.float32`` where bf16 would be emulated (AVX2
+            CPUs: 24x faster there). Said once at INFO on the ``lightning_muon`` logger.
         ns_batch_bytes: most bytes (in ``ns_dtype``) of one batched Newton-Schulz call over same-shape
             matrices; ``0`` orthogonalises one matrix at a time, exactly as ``torch.optim.Muon``.
             Default ``None``: 1 MiB on CPU, 256 MiB on accelerators.
@@ -243,7 +247,7 @@ class Muon(Optimizer):
         ns_steps: int = MUON_CLASS.ns_steps,
         adjust_lr_fn: str | None = MUON_CLASS.adjust_lr_fn,
         *,
-        ns_dtype: torch.dtype | str = MUON_CLASS.ns_dtype,
+        ns_dtype: torch.dtype | str | None = MUON_CLASS.ns_dtype,
         ns_batch_bytes: int | None = MUON_CLASS.ns_batch_bytes,
         ns_gram_aspect: float | None = MUON_CLASS.ns_gram_aspect,
         split_ns: bool = MUON_CLASS.split_ns,
@@ -360,6 +364,7 @@ class Muon(Optimizer):
         every = [p for group in self.param_groups for p in group["params"]]
         stacks = any(layout in groups.STACKED for group in self.param_groups for layout in groups.layouts_of(group))
         strategy = self._choice.for_step(every, self.split_ns, stacks)
+        _precision.settle(self.param_groups, self._choice.process_group)  # ns_dtype=None: by hardware, ranks agreed
         diagnostics = strategy.run(strategy.buckets(self.param_groups, self.state, diagnose is not None), diagnose)
         self.last_exchange_bytes = strategy.exchanged_bytes
         if diagnose is not None:

@@ -117,7 +117,7 @@ def test_unbatched_is_bit_identical_to_torch(adjust_lr_fn, nesterov, monkeypatch
     ours = _clone(theirs)
     grads = _grads(SHAPES, STEPS)
     torch_opt = torch.optim.Muon(theirs, **kwargs)
-    our_opt = Muon(ours, ns_batch_bytes=0, **kwargs)
+    our_opt = Muon(ours, ns_batch_bytes=0, ns_dtype=torch.bfloat16, **kwargs)
     spy = _NSSpy(monkeypatch)
     _train(torch_opt, theirs, grads)
     _train(our_opt, ours, grads)
@@ -134,7 +134,7 @@ def test_tensor_lr_is_bit_identical_to_torch():
     ours = _clone(theirs)
     grads = _grads(DISTINCT_SHAPES, 5)
     _train(torch.optim.Muon(theirs, lr=torch.tensor(LR)), theirs, grads)
-    _train(Muon(ours, lr=torch.tensor(LR)), ours, grads)
+    _train(Muon(ours, lr=torch.tensor(LR), ns_dtype=torch.bfloat16), ours, grads)
     assert _all_equal(ours, theirs)
 
 
@@ -159,7 +159,7 @@ def test_batched_matches_torch_within_tolerance(adjust_lr_fn, nesterov, ns_batch
     ours = _clone(theirs)
     grads = _grads(SHAPES, STEPS)
     torch_opt = torch.optim.Muon(theirs, **kwargs)
-    our_opt = Muon(ours, ns_batch_bytes=ns_batch_bytes, **kwargs)
+    our_opt = Muon(ours, ns_batch_bytes=ns_batch_bytes, ns_dtype=torch.bfloat16, **kwargs)
     spy = _NSSpy(monkeypatch)
     _train(torch_opt, theirs, grads)
     _train(our_opt, ours, grads)
@@ -202,13 +202,13 @@ def test_rectangular_matrices_go_through_gram_newton_schulz_unless_on_the_exact_
 def test_gram_steps_match_the_standard_iteration_and_the_exact_path_stays_torchs():
     grads = _grads(GRAM_SHAPES, STEPS)
     gram, standard, fp32 = _params(GRAM_SHAPES), _params(GRAM_SHAPES), _params(GRAM_SHAPES)
-    _train(Muon(gram, lr=LR, weight_decay=0.1), gram, grads)
-    _train(Muon(standard, lr=LR, weight_decay=0.1, ns_gram_aspect=None), standard, grads)
+    _train(Muon(gram, lr=LR, weight_decay=0.1, ns_dtype=torch.bfloat16), gram, grads)
+    _train(Muon(standard, lr=LR, weight_decay=0.1, ns_gram_aspect=None, ns_dtype=torch.bfloat16), standard, grads)
     _train(Muon(fp32, lr=LR, weight_decay=0.1, ns_gram_aspect=None, ns_dtype=torch.float32), fp32, grads)
     flat = [s for s in GRAM_SHAPES if len(s) == 2]  # torch.optim.Muon takes 2D parameters only
     exact, theirs = _params(flat), _params(flat)
     flat_grads = [[g for g in step if g.ndim == 2] for step in grads]
-    _train(Muon(exact, lr=LR, weight_decay=0.1, ns_batch_bytes=0), exact, flat_grads)
+    _train(Muon(exact, lr=LR, weight_decay=0.1, ns_batch_bytes=0, ns_dtype=torch.bfloat16), exact, flat_grads)
     _train(torch.optim.Muon(theirs, lr=LR, weight_decay=0.1), theirs, flat_grads)
     assert _all_equal(exact, theirs)  # ns_batch_bytes=0: torch's kernels, bit for bit, 4:1 shapes included
     for p, q, r in zip(gram, standard, fp32):
@@ -224,7 +224,7 @@ def test_polar_express_steps_with_its_schedule_and_survives_a_state_dict():
     params = _params(shapes)
     grads = _grads(shapes, 1)[0]
     opt = Muon(params, lr=LR, weight_decay=0.0, momentum=0.0, nesterov=False, ns_coefficients="polar_express",
-               ns_batch_bytes=0)
+               ns_batch_bytes=0, ns_dtype=torch.bfloat16)
     for p, g in zip(params, grads):
         p.grad = g
     before = [p.detach().clone() for p in params]
@@ -286,7 +286,7 @@ def test_effective_lr(shape, fn, ratio):
 def test_extra_adjust_lr_fns_are_applied_in_the_step(fn, shape):
     (p,) = _params([shape])
     g = _grads([shape], 1)[0][0]
-    opt = Muon([p], lr=LR, weight_decay=0.1, momentum=0.0, adjust_lr_fn=fn)
+    opt = Muon([p], lr=LR, weight_decay=0.1, momentum=0.0, adjust_lr_fn=fn, ns_dtype=torch.bfloat16)
     eff = adjust_lr(LR, fn, shape)
     expected = _one_step_by_hand(p, g, lr=LR, eff_lr=eff, wd=0.1)
     p.grad = g
@@ -430,7 +430,7 @@ def test_state_dict_moves_between_torch_and_ours(direction):
     grads = _grads(SHAPES, 6)
 
     def make(cls, params, **kw):
-        return cls(params, **kw, **({"ns_batch_bytes": 0} if cls is Muon else {}))
+        return cls(params, **kw, **({"ns_batch_bytes": 0, "ns_dtype": torch.bfloat16} if cls is Muon else {}))
 
     # run A: `first` for 3 steps, then its state dict goes into `second`, which does 3 more
     a = _params(SHAPES)
@@ -471,7 +471,7 @@ def test_torch_state_dict_gets_defaults_for_our_keys():
     _train(torch_opt, params, _grads(DISTINCT_SHAPES, 1))
     opt = Muon(_clone(params))
     opt.load_state_dict(_saved_and_loaded(torch_opt))
-    assert opt.param_groups[0]["ns_dtype"] == "bfloat16"
+    assert opt.param_groups[0]["ns_dtype"] is None  # by hardware
     assert opt.param_groups[0]["ns_batch_bytes"] is None
     assert opt.diagnostics == []
 
@@ -518,6 +518,7 @@ def test_diagnostics_describe_the_update(nesterov, ns_batch_bytes):
         nesterov=nesterov,
         adjust_lr_fn="match_rms_adamw",
         ns_batch_bytes=ns_batch_bytes,
+        ns_dtype=torch.bfloat16,
     )
     grads = _grads(shapes, 1)[0]
     for p, g in zip(params[:4], grads):
@@ -552,7 +553,7 @@ def test_diagnostics_describe_the_update(nesterov, ns_batch_bytes):
 def test_diagnostics_are_exact_on_the_unbatched_path():
     shapes = [(24, 16), (16, 24)]
     params = _params(shapes)
-    opt = Muon(params, lr=LR, ns_batch_bytes=0)
+    opt = Muon(params, lr=LR, ns_batch_bytes=0, ns_dtype=torch.bfloat16)
     grads = _grads(shapes, 1)[0]
     for p, g in zip(params, grads):
         p.grad = g
@@ -818,10 +819,10 @@ def test_mixed_dtypes_in_one_group_step_like_separate_optimizers():
     params = [torch.randn(s, generator=gen).to(d).requires_grad_() for s, d in zip(shapes, dtypes)]
     alone = _clone(params)
     grads = _grads(shapes, 3)
-    opt = Muon(params, lr=LR, weight_decay=0.1)
+    opt = Muon(params, lr=LR, weight_decay=0.1, ns_dtype=torch.bfloat16)
     _train(opt, params, grads)
     for k, q in enumerate(alone):
-        single = Muon([q], lr=LR, weight_decay=0.1)
+        single = Muon([q], lr=LR, weight_decay=0.1, ns_dtype=torch.bfloat16)
         _train(single, [q], [[gs[k]] for gs in grads])
         assert params[k].dtype == dtypes[k]
         assert opt.state[params[k]]["momentum_buffer"].dtype == dtypes[k]
