@@ -136,7 +136,8 @@ def _parent_optimizers(module: LightningModule, owner: type) -> tuple[list[Optim
 
 
 def _describe(optimizer: Optimizer) -> str:
-    lrs = sorted({float(g["lr"]) for g in optimizer.param_groups})
+    """``Muon(lr=0.02) on 2 tensors``: the lrs given (a scheduler's ``initial_lr``, not its first step's)."""
+    lrs = sorted({float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups})
     count = sum(len(g["params"]) for g in optimizer.param_groups)
     lr = f"lr={lrs[0]:g}" if len(lrs) == 1 else f"lrs={', '.join(f'{x:g}' for x in lrs)}"
     return f"{type(optimizer).__name__}({lr}) on {count} tensor{'s' * (count != 1)}"

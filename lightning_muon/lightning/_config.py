@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,10 @@ class MuonConfig:
     gradient_clip_val: float | None
     max_consecutive_skips: int
     parent_lr: bool = False
+    #: Orthogonalise the blocks of every fused projection the routing finds on their own (`route_parameters`).
+    split_fused: bool = False
+    #: Glob pattern -> the row-block sizes of those Muon parameters, or ``None`` to keep a found one whole.
+    matrix_blocks: dict[str, list[int] | None] = field(default_factory=dict, hash=False)
     #: ``None`` for ``muon=None``, the AdamW-only baseline.
     muon_factory: Callable[..., Any] | None = field(compare=False, repr=False)
     adamw_factory: Callable[..., Any] = field(compare=False, repr=False)
@@ -76,6 +80,8 @@ class MuonConfig:
         gradient_clip_val: float | None,
         max_consecutive_skips: int,
         parent_lr: bool = False,
+        split_fused: bool = False,
+        matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
     ) -> MuonConfig:
         """Validate the mixin's arguments (a `ValueError` naming the bad value and the fix) and resolve them."""
         if not is_count(accumulate_grad_batches):
@@ -90,6 +96,13 @@ class MuonConfig:
             )
         if not isinstance(parent_lr, bool):
             raise ValueError(f"parent_lr must be True or False, got {parent_lr!r}")
+        if not isinstance(split_fused, bool):
+            raise ValueError(f"split_fused must be True or False, got {split_fused!r}")
+        if matrix_blocks is not None and not isinstance(matrix_blocks, Mapping):
+            raise ValueError(
+                f"matrix_blocks must map glob patterns to row-block sizes (or None), e.g. "
+                f"{{'*.c_attn.weight': [768, 768, 768]}}; got {matrix_blocks!r}"
+            )
         muon_factory, adamw_factory, lr_scheduler_factory = from_spec(muon), from_spec(adamw), from_spec(lr_scheduler)
         if adamw_factory is None:
             raise ValueError("adamw must be an optimizer factory; it holds every parameter that is not on Muon")
@@ -111,6 +124,9 @@ class MuonConfig:
             gradient_clip_val=gradient_clip_val,
             max_consecutive_skips=max_consecutive_skips,
             parent_lr=parent_lr,
+            split_fused=split_fused,
+            matrix_blocks={str(k): None if v is None else [int(x) for x in v]
+                           for k, v in (matrix_blocks or {}).items()},
             muon_factory=muon_factory,
             adamw_factory=adamw_factory,
             lr_scheduler_factory=lr_scheduler_factory,
@@ -152,6 +168,8 @@ class MuonConfig:
             adamw_params=self.adamw_params,
             muon_nd=muon_class is not None and issubclass(muon_class, Muon),
             graph=roles,
+            split_fused=self.split_fused,
+            matrix_blocks=self.matrix_blocks or None,
         )
         return routing if self.muon_enabled else routing.all_on_adamw("muon=None: on AdamW")
 

@@ -60,7 +60,7 @@ PLACEHOLDER_NAMES = {MUON: Group.HIDDEN.value, ADAMW: Group.OTHER.value}
 #: them as lr keys). The pair records which names it gave (`OptimizerPair.added`); it never parses one.
 ADDED_NAME = "unfrozen_{}"
 #: The keys of an offered group that the routing decides itself (the lr is scaled per optimizer).
-_ROUTED_KEYS = {"params", "lr", "name", "param_names", "matrix_layouts"}
+_ROUTED_KEYS = {"params", "lr", "name", "param_names", "matrix_layouts", "matrix_blocks"}
 
 #: One optimizer's groups as ``[group name, [parameter names]]``: what a checkpoint records of it.
 Layout = list[list[Any]]
@@ -87,6 +87,10 @@ def added_group(routing: Routing, algorithm: str, lr: float, name: str) -> dict[
     if any("matrix_layouts" in g for g in groups):
         group["matrix_layouts"] = [
             layout for g in groups for layout in g.get("matrix_layouts", ["flatten"] * len(g["params"]))
+        ]
+    if any("matrix_blocks" in g for g in groups):  # fused projections split into their blocks
+        group["matrix_blocks"] = [
+            blocks for g in groups for blocks in g.get("matrix_blocks", [None] * len(g["params"]))
         ]
     return group
 

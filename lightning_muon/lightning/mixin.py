@@ -98,6 +98,13 @@ class MuonMixin(_LightningModuleBase):
             at them with ``adjust_lr_fn="match_rms_adamw"`` (its update RMS
             matched to AdamW's). Off by default: on three forecasting modules
             (TFT, N-BEATS, DeepAR) the mixin's own lrs reached a lower loss on two.
+        split_fused: orthogonalise each block of a fused projection the routing
+            finds (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s ``in_proj_weight``,
+            litgpt's ``qkv``, fused MoE ``gate_up_proj``) on its own, as separate
+            layers would be; off by default (the routing table names them).
+        matrix_blocks: glob pattern -> row-block sizes of those Muon matrices
+            (``{"*.qkv.weight": [64, 64, 64]}``), or ``None`` to keep a found one
+            whole; the first matching pattern decides, over ``split_fused``.
         max_consecutive_skips: updates with non-finite gradients are skipped
             for both optimizers; after this many in a row, fit stops with an
             error naming the parameters (16-mixed overflows are the scaler's
@@ -124,12 +131,15 @@ class MuonMixin(_LightningModuleBase):
         gradient_clip_val: float | None = None,
         max_consecutive_skips: int = 5,
         parent_lr: bool = False,
+        split_fused: bool = False,
+        matrix_blocks: dict[str, list[int] | None] | None = None,
         **kwargs: Any,
     ) -> None:
         config = MuonConfig.from_arguments(
             muon=muon, adamw=adamw, lr_scheduler=lr_scheduler, muon_params=muon_params, adamw_params=adamw_params,
             accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
-            max_consecutive_skips=max_consecutive_skips, parent_lr=parent_lr,
+            max_consecutive_skips=max_consecutive_skips, parent_lr=parent_lr, split_fused=split_fused,
+            matrix_blocks=matrix_blocks,
         )
         # Rebind the arguments to plain data before the parent's __init__ runs: a parent calling
         # save_hyperparameters() collects these frames' locals, and checkpoints must load with weights_only.

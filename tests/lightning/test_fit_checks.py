@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_muon import Muon, MuonMixin
+from lightning_muon import Muon, MuonMixin, WarmupCosine
 
 from helpers import (
     MuonRegression,
@@ -174,8 +174,13 @@ REPLACED = ("OnlyAnOptimizer.configure_optimizers is replaced by MuonMixin's: it
         ({"adamw": functools.partial(torch.optim.AdamW, lr=1e-3)},
          REPLACED + "MuonMixin trains with Muon(lr=0.02) on 2 tensors and AdamW(lr=0.001) on 4 tensors. Its lr (0.1) "
          "gives way to the lrs given to the mixin."),
+        # a warmup's first lr is not the lr given (it said Muon(lr=0.002) under WarmupCosine's 0.1 start)
+        ({"adamw": functools.partial(torch.optim.AdamW, lr=1e-3),
+          "lr_scheduler": functools.partial(WarmupCosine, warmup_steps=4, total_steps=8)},
+         REPLACED + "MuonMixin trains with Muon(lr=0.02) on 2 tensors and AdamW(lr=0.001) on 4 tensors. Its lr (0.1) "
+         "gives way to the lrs given to the mixin."),
     ],
-    ids=["parent_lr", "lrs-given"],
+    ids=["parent_lr", "lrs-given", "lrs-given-with-warmup"],
 )
 def test_a_replaced_configure_optimizers_is_told_once_at_info_when_the_lrs_trained_at_are_chosen(
     arguments, told, tmp_path, caplog
