@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/device_check_<device>.md")
     args = parser.parse_args(argv)
     device, size = torch.device(args.device), SIZES[args.size]
-    start = time.perf_counter()
+    start, load = time.perf_counter(), os.getloadavg()[0]
     checks = correctness(device, size)
     tables, facts = speed(device, size)
     wall = time.perf_counter() - start
@@ -342,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     details = (
         f"{_common.machine()}, device {name}, size {args.size}; {_precision.decide(device).line()} Matmul peak "
         f"{peaks} ({facts['peak_n']}^3); Newton-Schulz under torch.compile(backend={size.backend!r}): "
-        f"{facts['graphs']} graphs, {facts['graph breaks']} graph breaks; {wall:.0f} s wall"
+        f"{facts['graphs']} graphs, {facts['graph breaks']} graph breaks; {wall:.0f} s wall, load average "
+        f"{load:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (other processes share the machine)"
     )
     console.print(details)
     if args.write:
