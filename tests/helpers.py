@@ -185,6 +185,43 @@ class MuonNet(MuonMixin, Net):
     pass
 
 
+def finetuning_classes(pl: Any, mix: bool = True, own_callbacks: Callable[[], list] = list) -> tuple[type, type]:
+    """A `MuonMixin` module of Lightning package ``pl`` with a ``backbone`` (Linear, LayerNorm, Linear), a hidden
+    ``mix`` layer (without ``mix``: the backbone and the head alone, so nothing trains on Muon until the unfreeze)
+    and a head (its ``configure_callbacks`` returns ``own_callbacks()``), and a BaseFinetuning of that package that
+    freezes the backbone and unfreezes it at epoch 1 (Lightning's documented pattern)."""
+
+    class WithBackbone(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                self.backbone = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16))
+                self.mix = nn.Linear(16, 16) if mix else nn.Identity()
+                self.head = nn.Linear(16, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.head(torch.tanh(self.mix(torch.tanh(self.backbone(x))))), y)
+
+        def train_dataloader(self):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+            return DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=4)
+
+        def configure_callbacks(self):
+            return own_callbacks()
+
+    class Unfreeze(pl.callbacks.BaseFinetuning):
+        def freeze_before_training(self, pl_module):
+            self.freeze(pl_module.backbone)
+
+        def finetune_function(self, pl_module, current_epoch, optimizer):
+            if current_epoch == 1:
+                self.unfreeze_and_add_param_group(modules=pl_module.backbone, optimizer=optimizer)
+
+    return type("MuonWithBackbone", (MuonMixin, WithBackbone), {}), Unfreeze
+
+
 # ------------------------------------------------------------------ reading a fit
 
 

@@ -17,7 +17,16 @@ from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint
 
 from lightning_muon import MuonBackboneFinetuning, MuonMixin, MuonMonitor, WarmupCosine
 
-from helpers import MuonRegression, make_trainer, raw_optimizers, read_metrics, same, snapshot, tiny_llama
+from helpers import (
+    MuonRegression,
+    finetuning_classes,
+    make_trainer,
+    raw_optimizers,
+    read_metrics,
+    same,
+    snapshot,
+    tiny_llama,
+)
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -118,45 +127,6 @@ def test_a_routing_with_nothing_on_muon_trains_and_resumes_on_adamw_alone(tmp_pa
 
 
 # ------------------------------------------------------------------ parameters unfrozen during a fit
-
-
-def finetuning_classes(pl, mix=True, own_callbacks=list):
-    """A module of package ``pl`` with a ``backbone`` (Linear, LayerNorm, Linear), a hidden ``mix`` layer (without
-    ``mix``: the backbone and the head alone, so nothing trains on Muon until the unfreeze) and a head (its
-    ``configure_callbacks`` returns ``own_callbacks()``), and a BaseFinetuning of that package that freezes the
-    backbone and unfreezes it at epoch 1 (Lightning's documented pattern)."""
-
-    class WithBackbone(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            with torch.random.fork_rng():
-                torch.manual_seed(0)
-                self.backbone = torch.nn.Sequential(
-                    torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
-                self.mix = torch.nn.Linear(16, 16) if mix else torch.nn.Identity()
-                self.head = torch.nn.Linear(16, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.head(torch.tanh(self.mix(torch.tanh(self.backbone(x))))), y)
-
-        def train_dataloader(self):
-            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()),
-                                               batch_size=4)
-
-        def configure_callbacks(self):
-            return own_callbacks()
-
-    class Unfreeze(pl.callbacks.BaseFinetuning):
-        def freeze_before_training(self, pl_module):
-            self.freeze(pl_module.backbone)
-
-        def finetune_function(self, pl_module, current_epoch, optimizer):
-            if current_epoch == 1:
-                self.unfreeze_and_add_param_group(modules=pl_module.backbone, optimizer=optimizer)
-
-    return type("MuonWithBackbone", (MuonMixin, WithBackbone), {}), Unfreeze
 
 
 PACKAGES = [pytest.param("lightning.pytorch", id="lightning.pytorch"),

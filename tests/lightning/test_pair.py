@@ -11,11 +11,20 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import BackboneFinetuning, BaseFinetuning, BatchSizeFinder
+from lightning.pytorch.callbacks import BackboneFinetuning, BatchSizeFinder
 
 from lightning_muon import MuonBackboneFinetuning
 
-from helpers import ADAMW_NAMES, MUON_NAMES, MuonRegression, make_trainer, raw_optimizers, same, snapshot
+from helpers import (
+    ADAMW_NAMES,
+    MUON_NAMES,
+    MuonRegression,
+    finetuning_classes,
+    make_trainer,
+    raw_optimizers,
+    same,
+    snapshot,
+)
 
 
 def held(model: L.LightningModule) -> list[list[tuple[str, list[str]]]]:
@@ -57,36 +66,10 @@ def test_a_checkpoint_whose_groups_the_fit_cannot_hold_is_refused_by_the_pair_be
 
 
 def backbone_module():
-    class Backbone(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            with torch.random.fork_rng():
-                torch.manual_seed(0)
-                self.backbone = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Tanh(),
-                                                    torch.nn.Linear(16, 16))
-                self.mix, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 1)
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.head(torch.tanh(self.mix(torch.tanh(self.backbone(x))))), y)
-
-        def train_dataloader(self):
-            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
-            return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()),
-                                               batch_size=4)
-
-    from lightning_muon import MuonMixin
-
-    return type("MuonBackbone", (MuonMixin, Backbone), {})()
+    return finetuning_classes(L.pytorch)[0]()
 
 
-class Unfreeze(BaseFinetuning):
-    def freeze_before_training(self, pl_module):
-        self.freeze(pl_module.backbone)
-
-    def finetune_function(self, pl_module, current_epoch, optimizer):
-        if current_epoch == 1:
-            self.unfreeze_and_add_param_group(modules=pl_module.backbone, optimizer=optimizer)
+Unfreeze = finetuning_classes(L.pytorch)[1]
 
 
 #: What Lightning's own Trainer attaches to every callback instance (``callback_connector``): the module's logging.
