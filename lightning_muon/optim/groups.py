@@ -20,6 +20,8 @@ __all__ = [
     "DEFAULT_BATCH_BYTES",
     "DEFAULT_BATCH_BYTES_ACCELERATOR",
     "LAYOUTS",
+    "NORMUON_EPS",
+    "SECOND_MOMENT",
     "adjust_lr",
     "batch_cap",
     "describe_param",
@@ -36,6 +38,7 @@ __all__ = [
     "ns_settings",
     "on_exact_path",
     "param_name",
+    "row_moment_shape",
     "uses_gram",
 ]
 
@@ -48,6 +51,11 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral", "none")
 #: orthogonalised on its own) and ``"in_out"`` (a 2D weight stored ``in x out``, as transformers' ``Conv1D``:
 #: Newton-Schulz does not care, the lr's shape scaling does).
 LAYOUTS = ("flatten", "stack", "in_out")
+
+#: The optimizer-state key of NorMuon's per-neuron second moment (`row_moment_shape`), beside ``momentum_buffer``.
+SECOND_MOMENT = "normuon_second_moment"
+#: Added to ``sqrt(v)`` before NorMuon divides a row by it (and the floor of the norm it rescales by), as dion.
+NORMUON_EPS = 1e-8
 
 #: The default most bytes of one batched Newton-Schulz call (``ns_batch_bytes=None``) by device type: CPU
 #: matmuls reach their peak on one matrix of about 1 MiB in bf16, while small matrices gain from batching
@@ -68,6 +76,16 @@ def matrix_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -
     if layout == "stack":
         return shape[-2], shape[-1]
     return shape[0], math.prod(shape[1:])
+
+
+def row_moment_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, ...]:
+    """The shape of NorMuon's second moment of a parameter: one value per neuron (output row) of each of its
+    matrices, shaped to broadcast against the matrix: ``(m, 1)``; ``(1, n)`` for ``"in_out"`` (stored
+    ``in x out``: a neuron is a column); ``(*stack, m, 1)`` for ``"stack"``."""
+    m, n = matrix_shape(shape, layout)
+    if layout == "stack":
+        return (*shape[:-2], m, 1)
+    return (1, n) if layout == "in_out" else (m, 1)
 
 
 def fan_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:
