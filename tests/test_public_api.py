@@ -37,7 +37,7 @@ PUBLIC = {
         "ADJUST_LR_FNS", "DEFAULT_BATCH_BYTES", "DEFAULT_BATCH_BYTES_ACCELERATOR", "LAYOUTS", "NORMUON_EPS",
         "SECOND_MOMENT", "adjust_lr", "batch_cap", "describe_param", "dtype_name", "fan_shape", "group_effective_lr",
         "group_effective_lrs", "is_count", "layouts_of", "lr_value", "matrices_in", "matrix_shape", "ns_dtype",
-        "ns_settings", "on_exact_path", "param_name", "row_moment_shape", "uses_gram",
+        "ns_settings", "on_exact_path", "param_name", "row_moment_shape", "update_rule", "uses_gram",
     ],
     "lightning_muon.optim": [
         "Muon", "ParamDiagnostics", "StrategyInfo", "WarmupCosine", "adjust_lr", "groups", "orthogonality_error",

@@ -16,7 +16,8 @@ from typing import Any
 from lightning_muon.commands.config_files import expand_configs
 from lightning_muon.commands.lightning_cli import MuonCLI, instantiate
 from lightning_muon.lightning.mixin import MuonMixin
-from lightning_muon.routing import MUON, GraphRoles, Route, trace_roles
+from lightning_muon.optim.groups import update_rule
+from lightning_muon.routing import MUON, Algorithm, GraphRoles, Route, trace_roles
 
 
 def parser() -> argparse.ArgumentParser:
@@ -80,6 +81,9 @@ def main(args: Sequence[str]) -> None:
     print(source)
     if not any(r.optimizer == MUON for r in routing.routes):
         print("No parameter is routed to Muon.")
+        return
+    rules = {update_rule(g) for g in model._optimizer_config().build(Algorithm.MUON, routing.muon_groups).param_groups}
+    print(f"Muon's update rule: {'; '.join(sorted(rules))}.")
 
 
 def first_batch_roles(cli: MuonCLI, model: MuonMixin) -> tuple[GraphRoles | None, str]:

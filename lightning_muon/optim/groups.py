@@ -39,6 +39,7 @@ __all__ = [
     "on_exact_path",
     "param_name",
     "row_moment_shape",
+    "update_rule",
     "uses_gram",
 ]
 
@@ -86,6 +87,14 @@ def row_moment_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten
     if layout == "stack":
         return (*shape[:-2], m, 1)
     return (1, n) if layout == "in_out" else (m, 1)
+
+
+def update_rule(group: dict[str, Any]) -> str:
+    """A param group's update rule in words: ``"Muon"``, or ``"NorMuon (normuon_beta2=0.95)"``, with
+    ``", cautious weight decay"`` where it is on (``torch.optim.Muon``'s groups: ``"Muon"``)."""
+    beta2 = group.get("normuon_beta2")
+    rule = "Muon" if beta2 is None else f"NorMuon (normuon_beta2={beta2:g})"
+    return rule + (", cautious weight decay" if group.get("cautious_weight_decay") else "")
 
 
 def fan_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import io
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from lightning_muon import Muon, MuonWithAdamW
 from lightning_muon.optim import _update, groups
 from lightning_muon.optim.newton_schulz import gram_newton_schulz, zeropower_via_newtonschulz
+
+from helpers import RANKS_START_METHOD
 
 LR, WD, MOMENTUM, BETA2 = 0.02, 0.1, 0.95, 0.9
 STEPS = 6
@@ -329,3 +334,63 @@ def test_bad_settings_are_refused_by_muon_and_muon_with_adamw(kwargs, pattern):
         Muon([torch.zeros(4, 3, requires_grad=True)], **kwargs)
     with pytest.raises(ValueError, match=pattern):
         MuonWithAdamW(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 4)), **kwargs)
+
+
+# --------------------------------------------------------------------------- distributed
+
+
+def test_normuon_refuses_dtensor_parameters_with_the_way_out():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+        with pytest.raises(ValueError, match=r"Muon got parameter 0 of shape \(8, 4\): NorMuon \(normuon_beta2\) "
+                                             r"does not support DTensor .* set normuon_beta2=None"):
+            Muon([p], normuon_beta2=BETA2)
+        Muon([p], cautious_weight_decay=True)  # cautious decay is elementwise: shards are fine
+    finally:
+        dist.destroy_process_group()
+
+
+DDP_SHAPES = [(12, 20), (20, 12), (12, 20), (3, 8, 5), (6, 3, 2, 2)]
+DDP_LAYOUTS = ["flatten", "flatten", "flatten", "stack", "flatten"]
+
+
+def _ddp_steps(split: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank (or one process) steps the same parameters on the same gradients (DDP's averaged ones)."""
+    ps = [torch.randn(*s, generator=_gen(k)).requires_grad_() for k, s in enumerate(DDP_SHAPES)]
+    opt = Muon([{"params": ps, "matrix_layouts": DDP_LAYOUTS}], lr=LR, weight_decay=WD, normuon_beta2=BETA2,
+               cautious_weight_decay=True, ns_dtype=torch.float32, split_ns=split)
+    for step in range(STEPS):
+        for k, p in enumerate(ps):
+            p.grad = torch.randn(*p.shape, generator=_gen(100 * step + k))
+        opt.step()
+    assert (opt.strategy.kind == "replicated") == split
+    return [p.detach() for p in ps], [opt.state[p][SECOND_MOMENT] for p in ps]
+
+
+def _ddp_worker(rank: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.save(_ddp_steps(split=True), os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    os._exit(0)  # no interpreter teardown: see tests/test_distributed.py (torch 2.13 + gloo abort at exit)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_normuon_split_over_two_ddp_ranks_equals_one_process(tmp_path):
+    """Each rank orthogonalises its share; every rank normalises every update from the gathered ones, so the
+    weights and every second moment are the same on both ranks and as on one process."""
+    mp.start_processes(_ddp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
+                       start_method=RANKS_START_METHOD)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for a, b in zip([*ranks[0][0], *ranks[0][1]], [*ranks[1][0], *ranks[1][1]], strict=True):
+        assert torch.equal(a, b)  # the ranks agree exactly, second moments included
+    alone = _ddp_steps(split=False)
+    # One process merges a tall bucket with its wide twin into one batched call, the split path does not: the
+    # matmuls may round differently (fp32).
+    for got, expected in zip([*ranks[0][0], *ranks[0][1]], [*alone[0], *alone[1]], strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
