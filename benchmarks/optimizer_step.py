@@ -20,11 +20,13 @@ orthogonality error over the matrices, the quintic's band is ~0.3-0.45 on
 random gradients). Our rows: the default (Gram Newton-Schulz on matrices at
 least `DEFAULT_GRAM_ASPECT` times longer than wide), Gram off
 (``ns_gram_aspect=None``), Polar Express coefficients, and fp32 Newton-Schulz
-(the choice on CPUs without bf16 matmuls).
+(the choice on CPUs without bf16 matmuls). ``--update-rules`` times NorMuon and cautious weight decay
+against plain Muon in bf16 and fp32 instead.
 
     python benchmarks/optimizer_step.py            # gpt2-small and width-128
     python benchmarks/optimizer_step.py --quick    # width-128 only, a few seconds
     python benchmarks/optimizer_step.py --device cuda --models gpt2-small 24x2048   # a GPU, bf16 NS
+    python benchmarks/optimizer_step.py --update-rules --models width-128 resnet18-conv   # NorMuon, cautious wd
 
 Prints the table; with ``--write`` also writes ``benchmarks/results/optimizer_step.md``
 (``optimizer_step_cuda.md`` on a GPU) and its ``benchmarks/RESULTS.md`` section.
@@ -99,6 +101,15 @@ OURS = {
     "ours (bf16, Gram off)": {"ns_dtype": torch.bfloat16, "ns_gram_aspect": None},
     "ours (bf16, Polar Express)": {"ns_dtype": torch.bfloat16, "ns_coefficients": "polar_express"},
     "ours (fp32)": {"ns_dtype": torch.float32},
+}
+#: The update rules beside plain Muon (``--update-rules``): each against plain Muon in the same dtype.
+UPDATE_RULES = {
+    "ours (bf16)": {},
+    "ours (bf16, NorMuon)": {"normuon_beta2": 0.95},
+    "ours (bf16, cautious wd)": {"cautious_weight_decay": True},
+    "ours (fp32)": {"ns_dtype": torch.float32},
+    "ours (fp32, NorMuon)": {"ns_dtype": torch.float32, "normuon_beta2": 0.95},
+    "ours (fp32, cautious wd)": {"ns_dtype": torch.float32, "cautious_weight_decay": True},
 }
 TORCH_MUON = "torch.optim.Muon (bf16)"
 ADAMW = "torch.optim.AdamW (fused)"
@@ -204,10 +215,15 @@ def gram_sweep(progress: Progress, seconds: float = 1.5) -> Table:
     return table
 
 
-def render(rows: list[dict], peaks: dict[torch.dtype, float]) -> Table:
+def _plain(label: str) -> str:
+    """The plain-Muon row an update rule's row is measured against: ours in the same Newton-Schulz dtype."""
+    return "ours (fp32)" if "fp32" in label else "ours (bf16)"
+
+
+def render(rows: list[dict], peaks: dict[torch.dtype, float], against_plain: bool = False) -> Table:
     table = Table(title=f"optimizer step on {DEVICE.type} (median)")
     columns = ("model", "optimizer", "step ms", "ours / torch.optim.Muon", "NS GFLOP", "NS % of matmul peak",
-               "x the NS limit", "orthogonality error")
+               "x the NS limit", "orthogonality error", *(["/ plain Muon, same dtype"] if against_plain else []))
     for column in columns:
         table.add_column(column, justify="left" if column in ("model", "optimizer") else "right")
     for row in rows:
@@ -222,8 +238,10 @@ def render(rows: list[dict], peaks: dict[torch.dtype, float]) -> Table:
             gflop, error = f"{row['ns_flops'] / 1e9:.2f}", f"{row['error']:.3f}"
         else:
             share = multiple = gflop = error = ""
+        plain = [f"{row['seconds'] / r['seconds']:.2f}" for r in rows if row["optimizer"].startswith("ours")
+                 and r["model"] == row["model"] and r["optimizer"] == _plain(row["optimizer"])]
         table.add_row(row["model"], row["optimizer"], f"{1e3 * row['seconds']:.2f}", ratio, gflop, share, multiple,
-                      error)
+                      error, *([plain[0] if plain else ""] if against_plain else []))
     return table
 
 
@@ -235,12 +253,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or an accelerator such as cuda")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per optimizer (median reported)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the Gram threshold sweep")
+    parser.add_argument("--update-rules", action="store_true",
+                        help="our rows: plain Muon, NorMuon and cautious weight decay in bf16 and fp32 (no sweep; "
+                             "writes optimizer_step_update_rules.md)")
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/optimizer_step.md and its RESULTS.md section (else: print)")
     args = parser.parse_args(argv)
 
-    global DEVICE
+    global DEVICE, OURS
     DEVICE = torch.device(args.device)
+    if args.update_rules:
+        OURS, args.no_sweep = UPDATE_RULES, True
     models = args.models or (["width-128"] if args.quick else ["gpt2-small", "width-128", "resnet18-conv"])
     console = _common.console(170)
     n = 2048 if DEVICE.type == "cpu" else 8192
@@ -255,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
             rows += bench_model(name, repeats, progress)
         sweep = None if args.no_sweep or args.quick else gram_sweep(progress)
     peaks = {dtype: max(peaks[dtype], matmul_peak(dtype, n)) for dtype in dtypes}
-    table = render(rows, peaks)
+    table = render(rows, peaks, against_plain=args.update_rules)
     console.print(table)
     if sweep is not None:
         console.print(sweep)
@@ -273,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
             "of the first update, on random gradients. torch.optim.Muon gets conv kernels flattened to 2D.\n"
         )
         name = "optimizer_step" if DEVICE.type == "cpu" else f"optimizer_step_{DEVICE.type}"
+        name += "_update_rules" if args.update_rules else ""
         title = "Optimizer step" + ("" if DEVICE.type == "cpu" else f" ({device})")
         if sweep is not None:
             notes += (

@@ -13,6 +13,11 @@ Every ``log_every_n_steps`` updates it logs, in `LearningRateMonitor`'s key sche
   ``muon/orthogonality_error_max``: for the update ``O`` of one matrix,
   ``||O O^T - I_r||_F / sqrt(r)`` with ``r = min(m, n)``;
 - ``muon/update_rms``: RMS of the applied update (``effective_lr * O``);
+- with NorMuon (``normuon_beta2``), from the optimizer's state after the step:
+  ``muon/normuon_second_moment`` (the mean over every neuron of its running mean
+  squared update ``v``) and ``muon/normuon_row_scale_ratio`` (per matrix, the
+  largest over the smallest ``1 / (sqrt(v) + 1e-8)``, averaged over matrices:
+  how unequally NorMuon scales the rows; 1 would mean it changes nothing);
 - ``muon/skipped_steps`` once `MuonMixin` has skipped an update: the mixin's count
   (``muon_skipped_updates``), which the mixin logs itself at the trainer's
   ``log_every_n_steps``; the monitor writes it into its own rows too, so every
@@ -49,7 +54,7 @@ from lightning_muon.combined import MuonWithAdamW
 from lightning_muon.lightning import SKIPPED_STEPS_KEY, _compat
 from lightning_muon.lightning.mixin import MuonMixin
 from lightning_muon.optim import ParamDiagnostics, preview_update
-from lightning_muon.optim.groups import group_effective_lr, group_effective_lrs, lr_value
+from lightning_muon.optim.groups import NORMUON_EPS, SECOND_MOMENT, group_effective_lr, group_effective_lrs, lr_value
 from lightning_muon.optim.muon import Muon
 from lightning_muon.optim.newton_schulz import orthogonality_error
 
@@ -89,6 +94,27 @@ def _muon_of(optimizer: Optimizer) -> Optimizer:
     if isinstance(optimizer, MuonWithAdamW) and optimizer.muon is not None:
         return optimizer.muon
     return optimizer
+
+
+def _normuon_metrics(optimizers: list[Optimizer]) -> dict[str, float]:
+    """The NorMuon keys from the second moments the optimizers hold (none without a NorMuon group). Every rank
+    holds every row's statistic (NorMuon runs on one process or DDP), so no reduction."""
+    moments = [
+        optimizer.state[p][SECOND_MOMENT]
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+        if group.get("normuon_beta2") is not None
+        for p in group["params"]
+        if SECOND_MOMENT in optimizer.state[p]
+    ]
+    if not moments:
+        return {}
+    scales = [1 / (v.float().sqrt() + NORMUON_EPS) for v in moments]
+    ratios = torch.stack([scale.max() / scale.min() for scale in scales])
+    return {
+        "muon/normuon_second_moment": torch.cat([v.float().flatten() for v in moments]).mean().item(),
+        "muon/normuon_row_scale_ratio": ratios.mean().item(),
+    }
 
 
 @dataclass
@@ -255,6 +281,7 @@ class MuonMonitor(Callback):
             if self.per_parameter:
                 for d in diagnosed:
                     metrics[f"muon/orthogonality_error/{d.name}"] = d.orthogonality_error.item()
+        metrics.update(_normuon_metrics(self._muon))
         if isinstance(pl_module, MuonMixin) and pl_module.muon_skipped_updates:
             metrics[SKIPPED_STEPS_KEY] = float(pl_module.muon_skipped_updates)
         for logger in trainer.loggers:

@@ -56,8 +56,10 @@ class MuonWithAdamW(Optimizer):
 
     The keyword arguments ``lr``, ``weight_decay``, ``momentum``, ``nesterov``, ``ns_coefficients``, ``eps``,
     ``ns_steps``, ``adjust_lr_fn``, ``ns_dtype``, ``ns_batch_bytes``, ``ns_gram_aspect``, ``split_ns``,
-    ``process_group``, ``device_mesh`` and ``exchange_round_bytes`` are the Muon groups' settings and `Muon`'s
-    own (see `lightning_muon.Muon`); ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``,
+    ``process_group``, ``device_mesh``, ``exchange_round_bytes``,
+    ``normuon_beta2`` (NorMuon) and ``cautious_weight_decay`` are the Muon groups' settings and `Muon`'s own
+    (see `lightning_muon.Muon`; cautious weight decay is Muon's only: the AdamW inside is torch's);
+    ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``,
     ``adamw_amsgrad``, ``foreach`` and ``fused`` the AdamW groups' (``torch.optim.AdamW``'s ``lr``, ``betas``,
     ``eps``, ``weight_decay``, ``amsgrad``, ``foreach``, ``fused``); ``muon_params``, ``adamw_params``,
     ``split_fused`` and ``matrix_blocks`` are routing settings (only with a model: see
@@ -121,6 +123,8 @@ class MuonWithAdamW(Optimizer):
         process_group: ProcessGroup | None = None,
         device_mesh: DeviceMesh | None = None,
         exchange_round_bytes: int = PAIRED_MUON.exchange_round_bytes,
+        normuon_beta2: float | None = PAIRED_MUON.normuon_beta2,
+        cautious_weight_decay: bool = PAIRED_MUON.cautious_weight_decay,
         muon_params: Sequence[str] = (),
         adamw_params: Sequence[str] = (),
         split_fused: bool = False,
@@ -132,7 +136,8 @@ class MuonWithAdamW(Optimizer):
                 "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
                 "ns_dtype": ns_dtype, "ns_batch_bytes": ns_batch_bytes, "ns_gram_aspect": ns_gram_aspect,
                 "split_ns": split_ns, "process_group": process_group, "device_mesh": device_mesh,
-                "exchange_round_bytes": exchange_round_bytes,
+                "exchange_round_bytes": exchange_round_bytes, "normuon_beta2": normuon_beta2,
+                "cautious_weight_decay": cautious_weight_decay,
             },
             ADAMW: {
                 "lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps, "weight_decay": adamw_weight_decay,

@@ -79,6 +79,9 @@ def main(args: Sequence[str]) -> None:
     print(source)
     if not any(r.optimizer == MUON for r in routing.routes):
         print("No parameter is routed to Muon.")
+        return
+    rules = set(model.muon_update_rules())
+    print(f"Muon's update rule: {'; '.join(sorted(rules))}.")
 
 
 def first_batch_roles(cli: MuonCLI, model: MuonMixin) -> tuple[GraphRoles | None, str]:

@@ -41,7 +41,8 @@ from lightning_muon.lightning._fit import FitState, build_optimizers, check_resu
 from lightning_muon.lightning._hparams import save_hyperparameters, settings_from_checkpoint
 from lightning_muon.lightning._pair import OptimizerPair
 from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings, bind_step
-from lightning_muon.routing import GraphRoles, Routing
+from lightning_muon.optim.groups import update_rule
+from lightning_muon.routing import Algorithm, GraphRoles, Routing
 
 __all__ = ["DEFAULT_ADAMW", "DEFAULT_MUON", "MuonMixin"]
 
@@ -189,6 +190,14 @@ class MuonMixin(_LightningModuleBase):
         Until a fit's first training batch is seen, output heads and input layers come from names and
         structure; from then on, from that batch (see `lightning_muon.routing.trace_roles`)."""
         return self._muon_config.route(self, self._muon_roles)
+
+    def muon_update_rules(self) -> list[str]:
+        """Muon's update rule for each of its param groups, in words (``"Muon"``, ``"NorMuon (normuon_beta2=0.95)"``,
+        with cautious weight decay where it is on), read from an optimizer built for the purpose and thrown away;
+        empty where nothing is routed to Muon."""
+        groups = self.muon_routing().muon_groups
+        muon = _optimizer_config(self).build(Algorithm.MUON, groups) if groups and self.muon_enabled else None
+        return [update_rule(g) for g in muon.param_groups] if muon is not None else []
 
     def muon_effective_lrs(self) -> dict[str, float]:
         """The learning rate each routed parameter will start with, by name (Muon's after the shape

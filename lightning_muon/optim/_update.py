@@ -21,7 +21,10 @@ from torch import Tensor
 from lightning_muon.optim._collectives import ExchangeLayout
 from lightning_muon.optim._dtensor import is_dtensor, matrix_parts
 from lightning_muon.optim.groups import (
+    NORMUON_EPS,
+    SECOND_MOMENT,
     STACKED,
+    STORED_IN_OUT,
     batch_cap,
     blocks_of,
     describe_param,
@@ -34,6 +37,7 @@ from lightning_muon.optim.groups import (
     ns_settings,
     on_exact_path,
     param_name,
+    row_moment_shape,
     split_blocks,
     uses_gram,
 )
@@ -84,6 +88,8 @@ class Bucket(NamedTuple):
     layout: str = "flatten"
     #: Matrices in each parameter (the stack size for the stacked layouts, else 1).
     per_param: int = 1
+    #: NorMuon's per-row second moments, one per parameter (`row_moment_shape`); empty for plain Muon.
+    moments: Sequence[Tensor] = ()
 
     @property
     def effective_lr(self) -> float:
@@ -110,7 +116,10 @@ class Bucket(NamedTuple):
 
     def local(self) -> Bucket:
         """The bucket on this rank's shards (views: in-place updates reach the DTensors)."""
-        return self._replace(params=_locals(self.params), grads=_locals(self.grads), bufs=_locals(self.bufs))
+        return self._replace(
+            params=_locals(self.params), grads=_locals(self.grads), bufs=_locals(self.bufs),
+            moments=_locals(list(self.moments)),
+        )
 
     def subset(self, indices: Sequence[int]) -> Bucket:
         """The bucket restricted to the parameters at ``indices`` (its group, shape and layout kept); the whole
@@ -122,6 +131,7 @@ class Bucket(NamedTuple):
             grads=[self.grads[i] for i in indices],
             bufs=[self.bufs[i] for i in indices],
             names=[self.names[i] for i in indices],
+            moments=[self.moments[i] for i in indices] if self.moments else (),
         )
 
 
@@ -184,7 +194,9 @@ def collect_buckets(
     buckets, index = [], 0
     for group in param_groups:
         params, grads, bufs, names, layouts = [], [], [], [], []
+        moments: list[Tensor] = []
         group_layouts, group_blocks = layouts_of(group), blocks_of(group)
+        normuon = group.get("normuon_beta2") is not None
         for i, p in enumerate(group["params"]):
             if not has_grad[index + i]:
                 continue
@@ -193,20 +205,25 @@ def collect_buckets(
             if "momentum_buffer" not in state[p]:
                 state[p]["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
             name, layout, sizes = param_name(group, i, index + i) if named else "", group_layouts[i], group_blocks[i]
-            # A fused projection's blocks step as separate parameters would: views of the tensor, its gradient
-            # and its momentum buffer (which stays whole in the state).
-            pieces = (split_blocks(t, layout, sizes) for t in (p, grad, state[p]["momentum_buffer"]))
-            for k, (piece, piece_grad, piece_buf) in enumerate(zip(*pieces, strict=True)):
-                params.append(piece)
-                grads.append(piece_grad)
-                bufs.append(piece_buf)
+            if normuon and SECOND_MOMENT not in state[p]:
+                shape = row_moment_shape(p.shape, layout)
+                state[p][SECOND_MOMENT] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+            # A fused projection's blocks step as separate parameters would: views of the tensor, its gradient,
+            # its momentum buffer and NorMuon's second moment (which stay whole in the state).
+            whole = [p, grad, state[p]["momentum_buffer"], *([state[p][SECOND_MOMENT]] if normuon else [])]
+            for k, pieces in enumerate(zip(*(split_blocks(t, layout, sizes) for t in whole), strict=True)):
+                params.append(pieces[0])
+                grads.append(pieces[1])
+                bufs.append(pieces[2])
+                moments.extend(pieces[3:])
                 names.append(f"{name}[{k}]" if named and sizes else name)
                 layouts.append(layout)
         index += len(group["params"])
         for ks in bucket_indices(group, params, whole_dtensors=whole_dtensors, synced=synced, layouts=layouts):
             pick = [params[k] for k in ks], [grads[k] for k in ks], [bufs[k] for k in ks], [names[k] for k in ks]
             layout, shape = layouts[ks[0]], params[ks[0]].shape
-            buckets.append(Bucket(group, *pick, matrix_shape(shape, layout), layout, matrices_in(shape, layout)))
+            bucket = Bucket(group, *pick, matrix_shape(shape, layout), layout, matrices_in(shape, layout))
+            buckets.append(bucket._replace(moments=[moments[k] for k in ks]) if normuon else bucket)
     return buckets
 
 
@@ -321,13 +338,39 @@ def ns_batches(buckets: Sequence[Bucket]) -> list[list[int]]:
     return batches
 
 
+def normalize_rows(bucket: Bucket, orthogonal: list[Tensor]) -> list[Tensor]:
+    """NorMuon (Li et al. 2025, arXiv 2510.05491) on the whole orthogonalised updates of a bucket, in float32:
+    each neuron's second moment ``v <- v.lerp(mean(O_row**2), 1 - normuon_beta2)`` (in the bucket's
+    ``moments``, in place), each row divided by ``sqrt(v) + 1e-8``, and each matrix rescaled to the Frobenius
+    norm ``O`` had. One result per update, its shape kept."""
+    m, n = bucket.shape
+    per, dim = (bucket.per_param, m, n), (-2 if bucket.layout in STORED_IN_OUT else -1)
+    updates = torch.stack([o.reshape(per) for o in orthogonal]).float()
+    moments = torch.stack([v.reshape(bucket.per_param, *v.shape[-2:]) for v in bucket.moments]).float()
+    norms = torch.linalg.vector_norm(updates, dim=(-2, -1), keepdim=True)
+    moments.lerp_(updates.square().mean(dim=dim, keepdim=True), 1 - bucket.group["normuon_beta2"])
+    normalized = updates / (moments.sqrt() + NORMUON_EPS)
+    normalized *= norms / torch.linalg.vector_norm(normalized, dim=(-2, -1), keepdim=True).clamp_min(NORMUON_EPS)
+    olds = list(bucket.moments)
+    torch._foreach_copy_(olds, [v.reshape(old.shape) for v, old in zip(moments, olds, strict=True)])
+    return [u.reshape(o.shape) for u, o in zip(normalized.unbind(0), orthogonal, strict=True)]
+
+
 def apply(bucket: Bucket, orthogonal: list[Tensor]) -> None:
-    """Decoupled weight decay with the base lr, then the shape-adjusted orthogonalised step."""
-    decay = 1 - lr_value(bucket.group["lr"]) * bucket.group["weight_decay"]
-    if decay != 1.0:
-        torch._foreach_mul_(bucket.params, decay)
+    """Decoupled weight decay with the base lr, then the shape-adjusted orthogonalised step. NorMuon groups
+    (``normuon_beta2``) normalise the rows first (`normalize_rows`); with ``cautious_weight_decay`` an entry
+    decays only where it and its update have the same sign (``p * update >= 0``), as dion's ``cautious_wd``."""
+    group = bucket.group
+    if group.get("normuon_beta2") is not None:
+        orthogonal = normalize_rows(bucket, orthogonal)
     # 2D updates go in as they are (a tall one is a transposed view: no copy); ND ones are unflattened.
     shaped = [o if o.shape == p.shape else o.reshape(p.shape) for o, p in zip(orthogonal, bucket.params, strict=True)]
+    coefficient = lr_value(group["lr"]) * group["weight_decay"]
+    if group.get("cautious_weight_decay") and coefficient:
+        decays = [p * (p * u >= 0) for p, u in zip(bucket.params, shaped, strict=True)]
+        torch._foreach_add_(bucket.params, decays, alpha=-coefficient)
+    elif 1 - coefficient != 1.0:
+        torch._foreach_mul_(bucket.params, 1 - coefficient)
     torch._foreach_add_(bucket.params, shaped, alpha=-bucket.effective_lr)
 
 

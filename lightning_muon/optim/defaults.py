@@ -43,6 +43,8 @@ class MuonDefaults:
     ns_gram_aspect: float | None = DEFAULT_GRAM_ASPECT
     split_ns: bool = True
     exchange_round_bytes: int = EXCHANGE_ROUND_BYTES
+    normuon_beta2: float | None = None
+    cautious_weight_decay: bool = False
 
 
 @dataclass(frozen=True)

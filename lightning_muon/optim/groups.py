@@ -22,6 +22,8 @@ __all__ = [
     "DEFAULT_BATCH_BYTES",
     "DEFAULT_BATCH_BYTES_ACCELERATOR",
     "LAYOUTS",
+    "NORMUON_EPS",
+    "SECOND_MOMENT",
     "STACKED",
     "STORED_IN_OUT",
     "adjust_lr",
@@ -43,7 +45,9 @@ __all__ = [
     "ns_settings",
     "on_exact_path",
     "param_name",
+    "row_moment_shape",
     "split_blocks",
+    "update_rule",
     "uses_gram",
 ]
 
@@ -68,6 +72,11 @@ STACKED = ("stack", "stack_in_out")
 #: The layouts whose matrices are stored ``in x out`` (the lr's shape scaling reads them transposed).
 STORED_IN_OUT = ("in_out", "stack_in_out")
 
+#: The optimizer-state key of NorMuon's per-neuron second moment (`row_moment_shape`), beside ``momentum_buffer``.
+SECOND_MOMENT = "normuon_second_moment"
+#: Added to ``sqrt(v)`` before NorMuon divides a row by it (and the floor of the norm it rescales by), as dion.
+NORMUON_EPS = 1e-8
+
 #: The default most bytes of one batched Newton-Schulz call (``ns_batch_bytes=None``) by device type: CPU
 #: matmuls reach their peak on one matrix of about 1 MiB in bf16, while small matrices gain from batching
 #: (``benchmarks/optimizer_step.py``); accelerators gain at every size (`DEFAULT_BATCH_BYTES_ACCELERATOR`).
@@ -87,6 +96,27 @@ def matrix_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -
     if layout in STACKED:
         return shape[-2], shape[-1]
     return shape[0], math.prod(shape[1:])
+
+
+def row_moment_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, ...]:
+    """The shape of NorMuon's second moment of a parameter: one value per neuron (output row) of each of its
+    matrices, shaped to broadcast against the matrix: ``(m, 1)``; ``(1, n)`` for ``"in_out"`` (stored
+    ``in x out``: a neuron is a column); ``(*stack, m, 1)`` for ``"stack"``, ``(*stack, 1, n)`` for
+    ``"stack_in_out"``. Its neuron dim is `block_dim`'s, so a fused projection's blocks split it too."""
+    m, n = matrix_shape(shape, layout)
+    if layout == "stack":
+        return (*shape[:-2], m, 1)
+    if layout == "stack_in_out":  # stored E x in x out: a neuron is a column of each stored matrix
+        return (*shape[:-2], 1, n)
+    return (1, n) if layout == "in_out" else (m, 1)
+
+
+def update_rule(group: dict[str, Any]) -> str:
+    """A param group's update rule in words: ``"Muon"``, or ``"NorMuon (normuon_beta2=0.95)"``, with
+    ``", cautious weight decay"`` where it is on (``torch.optim.Muon``'s groups: ``"Muon"``)."""
+    beta2 = group.get("normuon_beta2")
+    rule = "Muon" if beta2 is None else f"NorMuon (normuon_beta2={beta2:g})"
+    return rule + (", cautious weight decay" if group.get("cautious_weight_decay") else "")
 
 
 def fan_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:

@@ -19,6 +19,8 @@ dict can move between the two for 2D parameters. Beyond it:
   ``torch._foreach_*`` kernels;
 - the Newton-Schulz compute dtype is a choice (``ns_dtype``), by default the hardware's: bf16 where native,
   float32 where bf16 would be emulated;
+- the update rule is a choice: NorMuon's per-neuron normalisation (``normuon_beta2``), and cautious
+  weight decay (``cautious_weight_decay``);
 - ``adjust_lr_fn`` also offers ``"spectral"`` and ``"none"``;
 - on request, a step records how orthogonal each update was
   (`Muon.record_diagnostics`), at no cost on other steps.
@@ -57,6 +59,8 @@ _OWN_GROUP_KEYS: dict[str, Any] = {
     "ns_dtype": MUON_CLASS.ns_dtype,
     "ns_batch_bytes": MUON_CLASS.ns_batch_bytes,
     "ns_gram_aspect": MUON_CLASS.ns_gram_aspect,
+    "normuon_beta2": MUON_CLASS.normuon_beta2,
+    "cautious_weight_decay": MUON_CLASS.cautious_weight_decay,
 }
 
 
@@ -95,6 +99,12 @@ _CHECKS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         "must be None (by hardware) or a floating dtype, e.g. torch.bfloat16",
     ),
     "ns_batch_bytes": ("ns_batch_bytes", lambda v: v is None or is_count(v, minimum=0), "must be None or an int >= 0"),
+    "normuon_beta2": (
+        "normuon_beta2",
+        lambda v: v is None or (_is_number(v) and 0.0 <= v < 1.0),
+        "must be None (plain Muon) or a number in [0, 1) (NorMuon; 0.95 is dion's and the paper's)",
+    ),
+    "cautious_weight_decay": ("cautious_weight_decay", lambda v: isinstance(v, bool), "must be True or False"),
 }
 
 
@@ -153,6 +163,17 @@ def _block_refusal(p: Tensor, layout: str, sizes: Any) -> str | None:
     return None
 
 
+def _normuon_refusal(group: dict[str, Any], p: Tensor) -> str | None:
+    """Why NorMuon cannot take ``p``, or ``None``: a row's statistic needs the whole row and the rescale the
+    whole matrix, which a DTensor shard does not hold."""
+    if group.get("normuon_beta2") is None or not is_dtensor(p):
+        return None
+    return (
+        "NorMuon (normuon_beta2) does not support DTensor (FSDP2, tensor-parallel) parameters yet. Train it "
+        "with one process or DDP, or set normuon_beta2=None for plain Muon under ModelParallelStrategy."
+    )
+
+
 class Muon(Optimizer):
     """Muon: SGD-momentum whose update is orthogonalised by Newton-Schulz iterations.
 
@@ -166,6 +187,12 @@ class Muon(Optimizer):
     p <- p * (1 - lr * weight_decay)
     p <- p - adjust_lr(lr, adjust_lr_fn, p.shape) * O
     ```
+
+    With ``normuon_beta2`` (NorMuon, Li et al. 2025), before the last two lines, for each neuron (row) ``i``
+    of ``O``: ``v_i <- beta2 * v_i + (1 - beta2) * mean_j(O_ij**2)`` (state ``normuon_second_moment``,
+    float32), ``O_i <- O_i / (sqrt(v_i) + 1e-8)``, then ``O`` is rescaled to the Frobenius norm it had.
+    With ``cautious_weight_decay`` the decay applies only where ``p * O >= 0`` (the update already moves the
+    entry toward zero).
 
     Examples:
         Muon on the hidden matrices only (`lightning_muon.route_parameters` picks them), AdamW on the rest:
@@ -228,6 +255,13 @@ class Muon(Optimizer):
             HSDP's (2-D: replicate, then shard) or FSDP2 over tensor parallelism's (2-D, sharded on both);
             default: the mesh the parameters share.
         exchange_round_bytes: most bytes of one FSDP2 exchange buffer per rank (the default is 64 MiB).
+        normuon_beta2: ``None`` (default): plain Muon. A number in ``[0, 1)``: NorMuon, with this decay of
+            each neuron's running mean squared update (0.95 in dion and the paper). Adds one float32 per
+            row of each matrix to the state (``normuon_second_moment``); under DDP every rank updates every
+            row's statistic from the gathered updates, as it does every momentum buffer. Not on DTensor
+            (FSDP2, tensor-parallel) parameters yet.
+        cautious_weight_decay: decay an entry only where it and its update have the same sign (dion's
+            ``cautious_wd``, Chen et al. 2025); default ``False``: every entry decays.
     """
 
     #: Which parameters the next step diagnoses (`record_diagnostics`; ``None``: none).
@@ -254,11 +288,14 @@ class Muon(Optimizer):
         process_group: ProcessGroup | None = None,
         device_mesh: DeviceMesh | None = None,
         exchange_round_bytes: int = MUON_CLASS.exchange_round_bytes,
+        normuon_beta2: float | None = MUON_CLASS.normuon_beta2,
+        cautious_weight_decay: bool = MUON_CLASS.cautious_weight_decay,
     ) -> None:
         defaults = _group_defaults({
             "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
             "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
             "ns_dtype": ns_dtype, "ns_batch_bytes": ns_batch_bytes, "ns_gram_aspect": ns_gram_aspect,
+            "normuon_beta2": normuon_beta2, "cautious_weight_decay": cautious_weight_decay,
         })
         #: Split the Newton-Schulz work across ranks: under DDP each rank orthogonalises a share of the
         #: matrices (results all-gathered); under FSDP2 each matrix is orthogonalised on one owner rank.
@@ -298,7 +335,8 @@ class Muon(Optimizer):
             )
         layouts, blocks = groups.layouts_of(group), groups.blocks_of(group)
         for i, (p, layout, sizes) in enumerate(zip(group["params"], layouts, blocks, strict=True)):
-            problem = _refusal(p, layout) or _block_refusal(p, layout, sizes) or self._choice.refusal(p)
+            problem = (_refusal(p, layout) or _block_refusal(p, layout, sizes) or self._choice.refusal(p)
+                       or _normuon_refusal(group, p))
             if problem is not None:
                 self.param_groups.pop()  # refuse the whole group, as if it had never been added
                 raise ValueError(

@@ -313,3 +313,32 @@ def test_two_process_ddp_logs_the_same_error_as_one_process(tmp_path):
         two = next(r for r in ddp if r["step"] == step and r.get("muon/orthogonality_error"))
         for key in DIAGNOSTICS | EFFECTIVE:
             assert float(two[key]) == pytest.approx(float(one[key]), abs=1e-4), key
+
+
+NORMUON = {"muon/normuon_second_moment", "muon/normuon_row_scale_ratio"}
+
+
+def test_normuon_logs_its_second_moment_and_how_unequally_it_scales_the_rows(tmp_path):
+    muon = functools.partial(Muon, lr=0.02, normuon_beta2=0.95, ns_dtype=torch.float32)
+    model = MuonRegression(**TWO_SHAPES, muon=muon)
+    monitor = MuonMonitor(log_every_n_steps=3)
+    trainer = make_trainer(tmp_path, csv_dir=tmp_path, callbacks=[monitor], log_every_n_steps=50, max_steps=6)
+    trainer.fit(model)
+    rows = read_metrics(tmp_path)
+    assert logged(rows) == {2: NAMED_LRS | EFFECTIVE | DIAGNOSTICS | NORMUON,
+                            5: NAMED_LRS | EFFECTIVE | DIAGNOSTICS | NORMUON}
+    # The last row is read from the state the last step left: recompute it from there.
+    optimizer = trainer.optimizers[0]
+    moments = [optimizer.state[p]["normuon_second_moment"] for g in optimizer.param_groups for p in g["params"]]
+    assert [tuple(v.shape) for v in moments] == [(16, 1), (24, 1)]  # one per neuron of the 16x8 and 24x16 layers
+    scales = [1 / (v.sqrt() + 1e-8) for v in moments]
+    row = next(r for r in rows if r["step"] == "5")
+    assert float(row["muon/normuon_second_moment"]) == pytest.approx(torch.cat(moments).mean().item(), rel=1e-6)
+    ratio = sum((s.max() / s.min()).item() for s in scales) / 2
+    assert float(row["muon/normuon_row_scale_ratio"]) == pytest.approx(ratio, rel=1e-6)
+    assert ratio > 1.05  # tall matrices' rows differ: the normalization does something
+
+
+def test_plain_muon_logs_no_normuon_keys(tmp_path):
+    rows = fit(tmp_path, MuonRegression(**TWO_SHAPES), MuonMonitor(log_every_n_steps=3), max_steps=3)
+    assert not NORMUON & logged(rows)[2]

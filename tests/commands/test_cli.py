@@ -192,6 +192,12 @@ def test_inspect_prints_char_gpt_routing(capsys):
     # the head as a fit finds it: from the config's first training batch, followed without training
     assert rows["lm_head.weight"][3] == "output head: feeds the loss through no other matrix (first batch)"
     assert "Output heads and input layers: from the first training batch, as a fit finds them." in out
+    assert "Muon's update rule: Muon." in out
+
+
+def test_inspect_says_the_update_rule_a_config_chooses(capsys):
+    main(["inspect", "--config", "gpt_normuon.yaml", "--model.muon.init_args.cautious_weight_decay", "true"])
+    assert "Muon's update rule: NorMuon (normuon_beta2=0.95), cautious weight decay." in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

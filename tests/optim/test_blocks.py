@@ -20,14 +20,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
+#: The update rules a block must step under exactly as a separate parameter would.
+RULES = {"nesterov": {"nesterov": True}, "plain": {"nesterov": False},
+         "normuon-cautious": {"nesterov": True, "normuon_beta2": 0.95, "cautious_weight_decay": True}}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("case", list(CASES))
-def test_each_block_steps_as_a_separate_parameter(case, nesterov):
+def test_each_block_steps_as_a_separate_parameter(case, rule):
     layout, shape, sizes, dim = CASES[case]
     g = torch.Generator().manual_seed(0)
     fused = torch.nn.Parameter(torch.randn(shape, generator=g))
     separate = [torch.nn.Parameter(b.detach().clone()) for b in fused.split(sizes, dim=dim)]
-    settings = {"lr": 0.02, "weight_decay": 0.1, "nesterov": nesterov}
+    settings = {"lr": 0.02, "weight_decay": 0.1, **RULES[rule]}
     blocked = Muon([{"params": [fused], "matrix_layouts": [layout], "matrix_blocks": [sizes]}], **settings)
     apart = Muon([{"params": separate, "matrix_layouts": [layout] * len(separate)}], **settings)
     whole = Muon([{"params": [fused.detach().clone().requires_grad_()], "matrix_layouts": [layout]}], **settings)
@@ -44,6 +49,10 @@ def test_each_block_steps_as_a_separate_parameter(case, nesterov):
     buffer = blocked.state[fused]["momentum_buffer"]
     assert buffer.shape == fused.shape  # one buffer for the whole tensor, as without blocks
     assert torch.equal(buffer, torch.cat([apart.state[p]["momentum_buffer"] for p in separate], dim=dim))
+    if "normuon_beta2" in settings:  # NorMuon's per-neuron second moment: whole in the state, split like the rows
+        moment = blocked.state[fused]["normuon_second_moment"]
+        parts = [apart.state[p]["normuon_second_moment"] for p in separate]
+        assert torch.equal(moment, torch.cat(parts, dim=dim))
     # and the blocks are not the fused matrix: one matrix orthogonalised whole moves differently
     assert (fused.detach() - whole.param_groups[0]["params"][0].detach()).abs().max() > 1e-3
 
