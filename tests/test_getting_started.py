@@ -65,7 +65,12 @@ def first_run(tmp_path_factory):
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
+    # rank_zero_info logs to the logger of the Lightning package imported last (``lightning.pytorch`` or the
+    # standalone ``pytorch_lightning``: each sets lightning_utilities' module-level one): listen on both.
+    rank_zero_logs = [logging.getLogger(f"{package}.utilities.rank_zero") for package in ("lightning.pytorch",
+                                                                                           "pytorch_lightning")]
+    for log in rank_zero_logs:
+        log.addHandler(handler)
     printed = io.StringIO()
     namespace: dict = {}
     try:
@@ -75,7 +80,8 @@ def first_run(tmp_path_factory):
             exec(compile(ten, "docs/index.md block 0", "exec"), namespace)
             exec(compile(read_back, "docs/index.md block 1", "exec"), namespace)
     finally:
-        logging.getLogger("lightning.pytorch.utilities.rank_zero").removeHandler(handler)
+        for log in rank_zero_logs:
+            log.removeHandler(handler)
         patch.undo()
     assert os.path.isdir(work / "logs")
     return {"printed": printed.getvalue(), "logged": "\n".join(records),
