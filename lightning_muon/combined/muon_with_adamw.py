@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import AdamW, Optimizer
 
-from lightning_muon.combined.state import ADAMW, ALGORITHMS, MUON, merge_state_dicts, split_state_dict
+from lightning_muon.combined.state import ADAMW_KEY, ALGORITHMS, MUON_KEY, merge_state_dicts, split_state_dict
 from lightning_muon.optim import Muon
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
 from lightning_muon.routing import Algorithm, Routing, route_parameters
@@ -131,7 +131,7 @@ class MuonWithAdamW(Optimizer):
         matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
     ) -> None:
         self._settings: dict[str, dict[str, Any]] = {
-            MUON: {
+            MUON_KEY: {
                 "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
                 "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
                 "ns_dtype": ns_dtype, "ns_batch_bytes": ns_batch_bytes, "ns_gram_aspect": ns_gram_aspect,
@@ -139,7 +139,7 @@ class MuonWithAdamW(Optimizer):
                 "exchange_round_bytes": exchange_round_bytes, "normuon_beta2": normuon_beta2,
                 "cautious_weight_decay": cautious_weight_decay,
             },
-            ADAMW: {
+            ADAMW_KEY: {
                 "lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps, "weight_decay": adamw_weight_decay,
                 "amsgrad": adamw_amsgrad, "foreach": foreach, "fused": fused,
             },
@@ -150,7 +150,7 @@ class MuonWithAdamW(Optimizer):
                             "matrix_blocks": matrix_blocks}
         groups, self.routing = _groups(params, routing_settings)
         # ``defaults``: each algorithm's, as its inner optimizer has them once it is built (`add_param_group`).
-        super().__init__(groups, {MUON: {}, ADAMW: {}})
+        super().__init__(groups, {MUON_KEY: {}, ADAMW_KEY: {}})
         for algorithm in ALGORITHMS:
             if algorithm not in self._inner:  # no group of it yet: its settings are still checked now
                 _validation_only(algorithm, self._settings[algorithm])
@@ -171,13 +171,13 @@ class MuonWithAdamW(Optimizer):
     @property
     def muon(self) -> Muon | None:
         """The inner `lightning_muon.Muon` (``None`` without a Muon group): diagnostics, effective lrs."""
-        inner = self._inner.get(MUON)
+        inner = self._inner.get(MUON_KEY)
         return inner if isinstance(inner, Muon) else None
 
     @property
     def adamw(self) -> AdamW | None:
         """The inner ``torch.optim.AdamW`` (``None`` without an AdamW group)."""
-        inner = self._inner.get(ADAMW)
+        inner = self._inner.get(ADAMW_KEY)
         return inner if isinstance(inner, AdamW) else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -310,7 +310,7 @@ def _groups(
 
 def _build(algorithm: str, group: dict[str, Any], settings: dict[str, Any]) -> Optimizer:
     """The inner optimizer of ``algorithm``, built over its first group (torch's constructors check the settings)."""
-    if algorithm == MUON:
+    if algorithm == MUON_KEY:
         return Muon([group], **settings)
     return AdamW([group], **settings)
 
@@ -318,7 +318,7 @@ def _build(algorithm: str, group: dict[str, Any], settings: dict[str, Any]) -> O
 def _validation_only(algorithm: str, settings: dict[str, Any]) -> None:
     """Check the settings of an algorithm that has no group yet, as its constructor would (on a placeholder)."""
     placeholder = torch.zeros(2, 2, requires_grad=True)
-    if algorithm == MUON:  # the process group and mesh are checked where they are used, with a parameter
+    if algorithm == MUON_KEY:  # the process group and mesh are checked where they are used, with a parameter
         Muon([placeholder], **{k: v for k, v in settings.items() if k not in ("process_group", "device_mesh")})
     else:
         AdamW([placeholder], **settings)

@@ -15,11 +15,11 @@ from typing import Any
 
 from lightning_muon.routing import Algorithm
 
-__all__ = ["ADAMW", "ALGORITHMS", "MUON", "merge_state_dicts", "split_state_dict"]
+__all__ = ["ADAMW_KEY", "ALGORITHMS", "MUON_KEY", "merge_state_dicts", "split_state_dict"]
 
 #: A `MuonWithAdamW` param group's ``algorithm``: the `lightning_muon.routing.Algorithm`'s lower-case key.
-MUON = Algorithm.MUON.key
-ADAMW = Algorithm.ADAMW.key
+MUON_KEY = Algorithm.MUON.key
+ADAMW_KEY = Algorithm.ADAMW.key
 #: The values of a `MuonWithAdamW` param group's ``algorithm``.
 ALGORITHMS = tuple(algorithm.key for algorithm in Algorithm)
 
@@ -49,7 +49,7 @@ def split_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[s
     Raises:
         ValueError: a group whose ``algorithm`` is missing or not ``"muon"``/``"adamw"``.
     """
-    by_algorithm: dict[str, list[dict[str, Any]]] = {MUON: [], ADAMW: []}
+    by_algorithm: dict[str, list[dict[str, Any]]] = {MUON_KEY: [], ADAMW_KEY: []}
     for i, group in enumerate(state_dict["param_groups"]):
         algorithm = group.get("algorithm")
         if algorithm not in by_algorithm:
@@ -82,17 +82,17 @@ def merge_state_dicts(
         ValueError: ``algorithms`` names a value other than ``"muon"``/``"adamw"``, or does not have as many
             groups of each as the two state dicts.
     """
-    sources = {MUON: list(muon_state_dict["param_groups"]), ADAMW: list(adamw_state_dict["param_groups"])}
+    sources = {MUON_KEY: list(muon_state_dict["param_groups"]), ADAMW_KEY: list(adamw_state_dict["param_groups"])}
     if algorithms is None:
-        algorithms = [MUON] * len(sources[MUON]) + [ADAMW] * len(sources[ADAMW])
+        algorithms = [MUON_KEY] * len(sources[MUON_KEY]) + [ADAMW_KEY] * len(sources[ADAMW_KEY])
     wrong = [a for a in algorithms if a not in ALGORITHMS]
     counts = {a: list(algorithms).count(a) for a in ALGORITHMS}
     if wrong or any(counts[a] != len(sources[a]) for a in ALGORITHMS):
         raise ValueError(
-            f"algorithms {list(algorithms)!r} must name 'muon' once per Muon group ({len(sources[MUON])}) and "
-            f"'adamw' once per AdamW group ({len(sources[ADAMW])})"
+            f"algorithms {list(algorithms)!r} must name 'muon' once per Muon group ({len(sources[MUON_KEY])}) and "
+            f"'adamw' once per AdamW group ({len(sources[ADAMW_KEY])})"
         )
-    states = {MUON: muon_state_dict["state"], ADAMW: adamw_state_dict["state"]}
+    states = {MUON_KEY: muon_state_dict["state"], ADAMW_KEY: adamw_state_dict["state"]}
     taken = dict.fromkeys(ALGORITHMS, 0)
     groups: list[dict[str, Any]] = []
     state: dict[int, Any] = {}
