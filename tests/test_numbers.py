@@ -30,6 +30,10 @@ FIGURES = [
     ("docs/benchmarks.md", "1.722 ± 0.003 vs 2.256 ± 0.008", "compare_sweep/comparison.md"),
     ("docs/benchmarks.md", "1.035x the other steps", "monitor_overhead.md"),
     ("docs/guides/monitoring.md", "a logging step costs 1.035x", "monitor_overhead.md"),
+    ("docs/benchmarks.md", "NorMuon 2.168 ± 0.007 vs Muon 2.218 ± 0.004", "update_rules/comparison.md"),
+    ("docs/guides/optimizer.md", "2.1676 ± 0.0066", "update_rules/comparison.md"),
+    ("docs/guides/optimizer.md", "2.2183 ± 0.0036", "update_rules/comparison.md"),
+    ("docs/guides/optimizer.md", "2.2180 ± 0.0023", "update_rules/comparison.md"),
 ]
 #: Figures that were quoted after their results file changed: on no page again.
 STALE = ["1.004x"]
