@@ -34,6 +34,11 @@ FIGURES = [
     ("docs/guides/optimizer.md", "2.1676 ± 0.0066", "update_rules/comparison.md"),
     ("docs/guides/optimizer.md", "2.2183 ± 0.0036", "update_rules/comparison.md"),
     ("docs/guides/optimizer.md", "2.2180 ± 0.0023", "update_rules/comparison.md"),
+    ("docs/benchmarks.md", "q, k, v 1.6737 ± 0.0008, NorMuon 1.6904 ± 0.0082, Muon (fused qkv) 1.7126 ± 0.0053",
+     "muon_variants/comparison.md"),
+    ("docs/guides/routing.md", "1.6737 ± 0.0008 against 1.7126 ± 0.0053", "muon_variants/comparison.md"),
+    ("docs/guides/optimizer.md", "NorMuon ended at 1.6904 ± 0.0082 against Muon's 1.7126 ± 0.0053",
+     "muon_variants/comparison.md"),
 ]
 #: Figures that were quoted after their results file changed: on no page again.
 STALE = ["1.004x"]
