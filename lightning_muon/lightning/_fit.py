@@ -149,14 +149,13 @@ class FitState:
         return self.pair.record() if self.pair is not None else {}
 
     def on_train_epoch_start(self, trainer: pl.Trainer) -> None:
-        """A ``GradientAccumulationScheduler``'s number for this epoch (what the callback itself would set); the
-        groups the finetuning callbacks added this epoch start, given to every optimizer."""
+        """A ``GradientAccumulationScheduler``'s number for this epoch (what the callback itself would set)."""
         if self.accumulation.scheduler is not None:
             _compat.set_accumulate_grad_batches(trainer, self.accumulation.at(trainer.current_epoch))
-        self.on_train_batch_start()
 
     def on_train_batch_start(self) -> None:
-        """Before a training batch: every optimizer holds its part of the groups added so far."""
+        """Before a training batch (the first of an epoch too, right after the finetuning callbacks' epoch start):
+        every optimizer holds its part of the groups added so far."""
         if self.pair is not None:
             self.pair.add_waiting()
 
@@ -216,13 +215,14 @@ class FitState:
         return config
 
 
-def build_optimizers(module: LightningModule, routing: Routing, routing_now: Callable[[], Routing], config: MuonConfig,
+def build_optimizers(module: LightningModule, routing_now: Callable[[], Routing], config: MuonConfig,
                      fit: FitState | None = None) -> tuple[OptimizerPair, list[dict[str, Any]]]:
-    """The optimizer pair over ``routing``'s param groups (``routing_now``: the module's routing as it stands, for
-    what a finetuning callback unfreezes later) (`OptimizerPair.build`; with both optimizers where the
+    """The optimizer pair over the param groups of the module's routing as it stands (``routing_now``: asked again
+    for what a finetuning callback unfreezes later) (`OptimizerPair.build`; with both optimizers where the
     ``fit`` keeps both: it has a finetuning callback) and their schedulers' configs (none without
     ``lr_scheduler``). The routing table is printed once (INFO), and a model with nothing trainable refused by
     name."""
+    routing = routing_now()
     if not routing.routes:
         raise MisconfigurationException(
             f"{type(module).__name__} has no trainable parameter: every parameter has requires_grad=False (or "

@@ -72,6 +72,17 @@ def layout_of(optimizer: Optimizer) -> Layout:
     return [[g.get("name"), list(g.get("param_names", []))] for g in optimizer.param_groups]
 
 
+def members_of(layouts: list[Layout], names: list[str]) -> dict[str, list[str]]:
+    """The parameter names the groups ``names`` hold across ``layouts`` (each optimizer's `layout_of`, or a
+    checkpoint's record of them), by group name, in the order of ``names``."""
+    members: dict[str, list[str]] = {name: [] for name in names}
+    for layout in layouts:
+        for name, params in layout:
+            if name in members:
+                members[name].extend(params)
+    return members
+
+
 def placeholder_group(algorithm: str) -> dict[str, Any]:
     """The empty group an optimizer is built with where the start routes nothing to it; named, like every group of
     the pair (torch wants all groups with names or none)."""
@@ -210,20 +221,22 @@ class OptimizerPair:
 
     def added_members(self) -> dict[str, list[str]]:
         """Each added group's name, in order, with the names of the parameters its parts hold."""
-        members: dict[str, list[str]] = {name: [] for name in self.added}
-        for optimizer in self.optimizers.values():
-            for group in optimizer.param_groups:
-                if group.get("name") in members:
-                    members[group["name"]].extend(group.get("param_names", []))
-        return members
+        return members_of([layout_of(o) for o in self.optimizers.values()], self.added)
+
+    def layouts(self) -> list[Layout]:
+        """What the optimizers hold now (`layout_of` each)."""
+        return [layout_of(o) for o in self.optimizers.values()]
+
+    def _layouts_of(self, wanted: dict[str, list[dict[str, Any]]]) -> list[Layout] | None:
+        """``wanted``'s groups as the fit's optimizers would hold them; ``None`` where some go to an optimizer
+        the fit lacks."""
+        if any(wanted[a] for a in (MUON, ADAMW) if a not in self.optimizers):
+            return None
+        return [[[g["name"], [n for n, _ in g["params"]]] for g in wanted[a]] for a in self.optimizers]
 
     def holds(self, routing: Routing) -> bool:
         """Whether the optimizers hold ``routing``'s groups (`wanted_groups`)."""
-        wanted = self._wanted(routing)
-        if any(wanted[a] for a in (MUON, ADAMW) if a not in self.optimizers):
-            return False
-        return [layout_of(o) for o in self.optimizers.values()] == [
-            [[g["name"], [n for n, _ in g["params"]]] for g in wanted[a]] for a in self.optimizers]
+        return self.layouts() == self._layouts_of(self._wanted(routing))
 
     def regroup(self, trainer: pl.Trainer, routing: Routing) -> None:
         """Give the optimizers (which hold no state yet) ``routing``'s groups (`wanted_groups`), in place, and
@@ -340,6 +353,9 @@ class OptimizerPair:
         scheduler steps it: the finetuning callback owns the added groups' lr."""
         groups = optimizer.param_groups
         built = next((i for i, g in enumerate(groups) if self.origin(g) is Origin.ADDED), len(groups))
+        if built == len(groups):  # nothing added: the optimizer as it is (every scheduler step comes here)
+            yield
+            return
         optimizer.param_groups = groups[:built]  # the same group dicts: what the scheduler sets, they keep
         try:
             yield
@@ -350,7 +366,7 @@ class OptimizerPair:
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint records of the pair: each optimizer's groups (`layout_of`) and the added groups' names."""
-        return {"groups": [layout_of(o) for o in self.optimizers.values()], "added_groups": list(self.added)}
+        return {"groups": self.layouts(), "added_groups": list(self.added)}
 
     def restore(self, trainer: pl.Trainer, saved: dict[str, Any], routing: Routing) -> None:
         """Make the optimizers hold the groups a checkpoint's record (``saved``) was saved with, before its optimizer
@@ -362,17 +378,12 @@ class OptimizerPair:
             return
         self.added = saved_added(saved)
         self._waiting = []
-        members: dict[str, list[str]] = {name: [] for name in self.added}
-        for layout in then:
-            for name, names in layout:
-                if name in members:
-                    members[name].extend(names)
-        lrs = {(a, str(name)): 0.0 for a, layout in zip(self.optimizers, then, strict=False) for name, _ in layout}
-        wanted = wanted_groups(routing, self.algorithms, members, lrs, self.keep_both)
-        now = [[[g["name"], [n for n, _ in g["params"]]] for g in wanted[a]] for a in self.optimizers]
-        if now != then or any(wanted[a] for a in (MUON, ADAMW) if a not in self.optimizers):
+        # (the lrs do not matter: the checkpoint's param groups bring theirs when its states load)
+        wanted = wanted_groups(routing, self.algorithms, members_of(then, self.added), {}, self.keep_both)
+        now = self._layouts_of(wanted)
+        if now != then:
             lines = [f"  {name}: {_describe(a)} in the checkpoint, {_describe(b)} in this fit"
-                     for name, a, b in zip(self.algorithms, then, now, strict=False) if a != b]
+                     for name, a, b in zip(self.algorithms, then, now or [], strict=False) if a != b]
             fix = (f"The checkpoint's groups {self.added} were added during the fit by a finetuning callback: "
                    "resume with the finetuning callback the checkpoint was trained with (the same class and "
                    "arguments)." if self.added else
@@ -382,12 +393,11 @@ class OptimizerPair:
                 "hold, so they would load into the wrong parameters:\n" + "\n".join(lines or ["  (other optimizers)"])
                 + f"\n{fix}"
             )
-        if [layout_of(o) for o in self.optimizers.values()] == then:
+        if self.layouts() == then:
             return
-        params = dict(routing.params)
         for optimizer in self.optimizers.values():
             optimizer.state.clear()  # the checkpoint's states replace them
-        self._set_groups(trainer, wanted, params, routing)
+        self._set_groups(trainer, wanted, routing.params, routing)
 
 
 def saved_added(saved: dict[str, Any]) -> list[str]:
@@ -402,8 +412,8 @@ def saved_added(saved: dict[str, Any]) -> list[str]:
 
 def saved_added_members(saved: dict[str, Any]) -> set[str]:
     """The parameters a checkpoint's optimizers held in groups added during the fit."""
-    added = set(saved_added(saved))
-    return {n for layout in saved.get("groups", []) for name, names in layout if name in added for n in names}
+    members = members_of(saved.get("groups", []), saved_added(saved))
+    return {n for names in members.values() for n in names}
 
 
 def _describe(layout: Layout) -> str:

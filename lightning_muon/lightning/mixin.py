@@ -209,7 +209,7 @@ class MuonMixin(_LightningModuleBase):
 
         A step of either inside the parent's ``training_step`` is refused before it moves a weight."""
         config = _optimizer_config(self)
-        pair, schedulers = build_optimizers(self, self.muon_routing(), self.muon_routing, config, self._muon_fit)
+        pair, schedulers = build_optimizers(self, self.muon_routing, config, self._muon_fit)
         self._muon_pair, optimizers = pair, list(pair.optimizers.values())
         self._muon_loop.optimizers_built(self, optimizers, pair.scheduled_groups)
         if self._muon_fit is not None:

@@ -150,14 +150,3 @@ def assume(native: bool | None) -> Iterator[None]:
         _capability = before
         _chosen.clear()
         _chosen.update(saved)
-
-
-def fit_start_line(optimizer: torch.optim.Optimizer | None) -> str | None:
-    """The line that says the dtype `settle` chose for ``optimizer``'s groups, for a caller to show once (it logs
-    nothing itself); ``None`` where every group names its dtype, or there is no optimizer. Every rank must call it
-    (under several ranks it may all-reduce)."""
-    if optimizer is None:
-        return None
-    process_group = getattr(getattr(optimizer, "_choice", None), "process_group", None)  # a Muon's explicit group
-    precision = settle(optimizer.param_groups, process_group, log=False)
-    return None if precision is None else precision.line()

@@ -230,7 +230,11 @@ def ns_dtype_line(optimizer: torch.optim.Optimizer | None) -> str | None:
     the hardware (``ns_dtype=None``), and why, for a caller to show once; ``None`` where every group names its
     dtype, or there is no optimizer. Every rank must call it: under several ranks it may all-reduce, so that they
     agree."""
-    return _precision.fit_start_line(optimizer)
+    if optimizer is None:
+        return None
+    process_group = getattr(getattr(optimizer, "_choice", None), "process_group", None)  # a Muon's explicit group
+    precision = _precision.settle(optimizer.param_groups, process_group, log=False)
+    return None if precision is None else precision.line()
 
 
 def ns_settings(group: dict[str, Any]) -> dict[str, Any]:
