@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--first-layer-on-muon", action="store_true")
+    parser.add_argument("--normuon", action="store_true", help="NorMuon (normuon_beta2=0.95) on the Muon half")
     args = parser.parse_args(argv)
     syncs = count_reduce_scatters()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     # AdamW's), unless --first-layer-on-muon keeps it on Muon for the work split's four shapes.
     model = ShardedNet(
         batch_size=args.batch_size,
-        muon=muon_factory(),
+        muon=muon_factory(**({"normuon_beta2": 0.95} if args.normuon else {})),
         muon_params=["sometimes.weight", *(["net.0.weight"] if args.first_layer_on_muon else [])],
         adamw_params=["net.8.*"],
         accumulate_grad_batches=args.accumulate,

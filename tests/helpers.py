@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_muon import Muon, MuonMixin
 from lightning_muon.optim._dtensor import is_dtensor
+from lightning_muon.optim.groups import SECOND_MOMENT
 
 # ------------------------------------------------------------------ Trainer and metrics
 
@@ -328,8 +329,8 @@ class ForkedDDP(DDPStrategy):
         super().setup(trainer)
 
 
-def muon_factory(split_ns: bool = True) -> functools.partial:
-    return functools.partial(Muon, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32, split_ns=split_ns)
+def muon_factory(split_ns: bool = True, **settings: Any) -> functools.partial:
+    return functools.partial(Muon, lr=0.02, weight_decay=0.01, ns_dtype=torch.float32, split_ns=split_ns, **settings)
 
 
 class SaveEveryRank(L.Callback):
@@ -345,6 +346,7 @@ class SaveEveryRank(L.Callback):
                 n: (p.full_tensor() if is_dtensor(p) else p).detach().clone() for n, p in pl_module.named_parameters()
             },
             "exchange_bytes": muon.last_exchange_bytes,
+            "second_moments": [muon.state[p].get(SECOND_MOMENT) for g in muon.param_groups for p in g["params"]],
             "world": dist.get_world_size() if dist.is_initialized() else 1,
         }
         torch.save(state, self.directory / f"rank{trainer.global_rank}.pt")

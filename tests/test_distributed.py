@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import itertools
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from lightning_muon import Muon
 from lightning_muon.commands.cli import main
 from lightning_muon.optim import _strategies
 from lightning_muon.optim._dtensor import is_dtensor
+from lightning_muon.optim.groups import SECOND_MOMENT
 from lightning_muon.optim.newton_schulz import zeropower_via_newtonschulz
 
 from helpers import (
@@ -141,7 +143,7 @@ def test_a_single_process_says_which_path_it_takes_only_at_debug(caplog, level):
     INFO, from rank zero: `test_cli.test_distributed_config_fits_with_two_processes`)."""
     p = nn.Parameter(torch.randn(4, 4))
     p.grad = torch.ones_like(p)
-    optimizer = Muon([p])
+    optimizer = Muon([p], ns_dtype=torch.float32)  # the dtype by hardware has a line of its own, once a process
     with caplog.at_level(level, logger="lightning_muon"):
         optimizer.step()
         optimizer.step()
@@ -321,6 +323,8 @@ SHARDED_CASES = {  # name -> (shard dim, or "mixed": 0 and 1 in turn; split_ns, 
     "rank-1-owns-nothing": (0, True, [(1, 4)], []),  # rank 1 holds 0 rows of the only matrix
     "hsdp-2x2": (0, True, SHARDED_SHAPES, BF16_SHAPES),  # 2 replicas x 2 shards, (Replicate(), Shard(0))
 }
+#: NorMuon's modes add a group of stacks (an MoE's experts, stored out x in and in x out), split on the case's dim.
+NORMUON_STACKS = {"shapes": [(3, 4, 5), (2, 5, 3)], "matrix_layouts": ["stack", "stack_in_out"]}
 #: The device mesh of each case (2 ranks, 1-D, unless named here).
 MESHES = {"hsdp-2x2": (2, 2)}
 #: The "owners" case also runs its exchanges in rounds of this limit ("rounds"): the 16x8 fp32 matrix
@@ -348,15 +352,31 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
         """``x`` (parameter ``k``, or its gradient) on the mesh, with the placements of parameter ``k``."""
         return distribute_tensor(x, mesh, placements[k])
 
+    # NorMuon's modes: every group NorMuon's, and the stacks' group (the case's shard dim, Shard(0) for "mixed").
+    stack_dim = 0 if shard_dim == "mixed" else shard_dim
+    stacks = [torch.randn(shape) for shape in NORMUON_STACKS["shapes"]]
+    stack_grads = [[torch.randn(shape) for shape in NORMUON_STACKS["shapes"]] for _ in range(3)]
+    stack_placements = [Shard(stack_dim)] if len(shape) == 1 else [Replicate(), Shard(stack_dim)]
+
     results = {}
     modes = [("sharded", shard, split_ns), ("whole", lambda x, k: x, False)]
+    modes += [(f"{name}-normuon", place, split) for name, place, split in modes]
     for name, place, split in modes + ([("rounds", shard, True)] if case == "owners" else []):
+        normuon = name.endswith("-normuon")
         params = [nn.Parameter(place(x.clone(), k)) for k, x in enumerate(initial)]
         groups = [{"params": params[: len(fp32_shapes)], "ns_dtype": "float32"}]
         if bf16_shapes:
             groups.append({"params": params[len(fp32_shapes) :], "ns_dtype": "bfloat16", "nesterov": False})
         round_bytes = ROUND_BYTES if name == "rounds" else _strategies.EXCHANGE_ROUND_BYTES
-        optimizer = Muon(groups, lr=0.1, weight_decay=0.01, split_ns=split, exchange_round_bytes=round_bytes)
+        optimizer = Muon(groups, lr=0.1, weight_decay=0.01, split_ns=split, exchange_round_bytes=round_bytes,
+                         normuon_beta2=0.95 if normuon else None)
+        optimizers = [optimizer]
+        if normuon:  # the stacks in an optimizer of their own: sharded on their stack dim, they are gathered whole
+            on_mesh = name.startswith("sharded")
+            params += [nn.Parameter(distribute_tensor(x.clone(), mesh, stack_placements) if on_mesh else x.clone())
+                       for x in stacks]
+            stacked = {"params": params[len(shapes) :], "matrix_layouts": NORMUON_STACKS["matrix_layouts"]}
+            optimizers.append(Muon([stacked], lr=0.1, weight_decay=0.01, ns_dtype="float32", normuon_beta2=0.95))
         exchanges = []
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -364,8 +384,11 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
                 for i, (p, g) in enumerate(zip(params, step_grads)):
                     unused = step == 1 and i == 0  # no gradient on any rank for one step
                     p.grad = None if unused else place(g, i)
+                for p, g in zip(params[len(shapes) :], stack_grads[step]):
+                    p.grad = distribute_tensor(g, mesh, stack_placements) if is_dtensor(p) else g
                 optimizer.record_diagnostics()
-                optimizer.step()
+                for each in optimizers:
+                    each.step()
                 chosen = optimizer._choice.chosen  # private: exchange rounds and buffers are no public API
                 if isinstance(chosen, _strategies.ShardedStep):
                     exchanges.append((chosen.rounds, chosen.largest_buffer, chosen.buffers.kept_bytes))
@@ -374,6 +397,7 @@ def _sharded_worker(rank: int, init_file: str, case: str, out: str) -> None:
             "warned": [str(w.message) for w in caught if str(w.message).startswith("Muon:")],
             "exchanges": exchanges,
             "params": [(p.full_tensor() if is_dtensor(p) else p).detach() for p in params],
+            "moments": [o.state[p].get(SECOND_MOMENT) for o in optimizers for g in o.param_groups for p in g["params"]],
             "diagnostics": sorted(
                 (d.name, d.orthogonality_error.item(), d.update_rms.item()) for d in optimizer.diagnostics
             ),
@@ -421,18 +445,23 @@ def test_sharded_parameters_are_orthogonalised_whole(tmp_path, case):
     # A fallback is a warning, once, on rank zero only (the other paths are an info line).
     assert ranks[0]["sharded"]["warned"] == ([f"Muon: {ranks[0]['sharded']['path'][0]}."] if fallback else [])
     assert all(r["sharded"]["warned"] == [] for r in ranks[1:])
-    for r in ranks:
-        for got, expected in zip(r["sharded"]["params"], r["whole"]["params"]):
+    for r, suffix in itertools.product(ranks, ["", "-normuon"]):
+        # NorMuon: each owner's rows' statistics from its whole matrices, every rank normalising its own rows.
+        sharded, whole = r[f"sharded{suffix}"], r[f"whole{suffix}"]
+        assert sharded["path"] == r["sharded"]["path"]
+        moments = [(a, b) for a, b in zip(sharded["moments"], whole["moments"]) if b is not None]
+        for got, expected in [*zip(sharded["params"], whole["params"]), *moments]:
             if owners:  # the owners batch exactly as one process does: the same bits
                 assert torch.equal(got, expected)
             else:  # one matrix at a time instead of batched same shapes: float rounding
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-        got, expected = r["sharded"]["diagnostics"], r["whole"]["diagnostics"]
+        got, expected = sharded["diagnostics"], whole["diagnostics"]
         assert [d[0] for d in got] == [d[0] for d in expected]  # every matrix, on every rank
         torch.testing.assert_close([d[1:] for d in got], [d[1:] for d in expected], atol=1e-5, rtol=0)
-    for other in ranks[1:]:
-        for got0, got in zip(ranks[0]["sharded"]["params"], other["sharded"]["params"]):
+    for other, suffix in itertools.product(ranks[1:], ["", "-normuon"]):
+        for got0, got in zip(ranks[0][f"sharded{suffix}"]["params"], other[f"sharded{suffix}"]["params"]):
             assert torch.equal(got0, got)
+    assert all(v is not None for r in ranks for v in r["sharded-normuon"]["moments"])  # every parameter has one
     sent = [r["sharded"]["sent"] for r in ranks]
     if owners:
         # Every shard once to its owner, every result once back: two copies of the matrices in all (in each
@@ -597,29 +626,38 @@ def test_none_loss_under_ddp_is_refused_rather_than_hanging(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path):
+@pytest.mark.parametrize("rule", ["muon", "normuon"])
+def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path, rule):
+    """Also with NorMuon: its second moments (whole on every rank) are saved, resumed and converted too."""
     checkpoint = tmp_path / "checkpoints" / "epoch0.ckpt"  # kept by the uninterrupted run, at its first epoch's end
-    run_fsdp2(tmp_path / "straight", "--max-epochs", "2", "--save", str(tmp_path / "checkpoints"))
-    run_fsdp2(tmp_path / "resumed", "--max-epochs", "2", "--ckpt", str(checkpoint))
+    settings = {"normuon_beta2": 0.95} if rule == "normuon" else {}
+    flags = ["--normuon"] if settings else []
+    run_fsdp2(tmp_path / "straight", "--max-epochs", "2", "--save", str(tmp_path / "checkpoints"), *flags)
+    run_fsdp2(tmp_path / "resumed", "--max-epochs", "2", "--ckpt", str(checkpoint), *flags)
     assert checkpoint.is_dir()  # sharded: torch.distributed.checkpoint, not one file
-    straight = torch.load(tmp_path / "straight" / "rank0.pt")["params"]
+    straight = torch.load(tmp_path / "straight" / "rank0.pt")
     for r in range(2):
-        resumed = torch.load(tmp_path / "resumed" / f"rank{r}.pt")["params"]
-        for name, p in straight.items():
-            assert torch.equal(resumed[name], p), f"rank {r}: {name}"
+        resumed = torch.load(tmp_path / "resumed" / f"rank{r}.pt")
+        for name, p in straight["params"].items():
+            assert torch.equal(resumed["params"][name], p), f"rank {r}: {name}"
+        for got, expected in zip(resumed["second_moments"], straight["second_moments"], strict=True):
+            assert (got is None) == (not settings) and (got is None or torch.equal(got, expected))
     # On one process the directory is refused, naming the conversion (not a raw IsADirectoryError) ...
     def one_process() -> MuonNet:  # 1 process x batch 8 sees the gradients of 2 ranks x batch 4
-        return MuonNet(batch_size=8, muon=muon_factory(), muon_params=["sometimes.weight"], adamw_params=["net.8.*"])
+        return MuonNet(batch_size=8, muon=muon_factory(**settings), muon_params=["sometimes.weight"],
+                       adamw_params=["net.8.*"])
 
     with pytest.raises(RuntimeError, match=r"is a distributed checkpoint .* reads a single file. Convert it"):
         make_trainer(tmp_path / "one", max_epochs=2).fit(one_process(), ckpt_path=checkpoint)
     # ... and the converted file resumes the run on one process: it ends where the 2-rank run ended.
     main(["convert-checkpoint", str(checkpoint), str(tmp_path / "one.ckpt")])
+    converted = torch.load(tmp_path / "one.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    assert all((SECOND_MOMENT in state) == bool(settings) for state in converted.values())
     model = one_process()
     trainer = make_trainer(tmp_path / "one", max_epochs=2)
     trainer.fit(model, ckpt_path=tmp_path / "one.ckpt")
     assert trainer.global_step == 2 * torch.load(checkpoint / "meta.pt", weights_only=False)["global_step"]
-    for name, p in straight.items():
+    for name, p in straight["params"].items():
         torch.testing.assert_close(model.get_parameter(name).detach(), p, atol=TOLERANCE, rtol=0, msg=name)
 
 

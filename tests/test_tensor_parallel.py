@@ -109,12 +109,13 @@ def assert_split(single: dict, ranks: list[dict]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_dimensional_data_and_tensor_parallel_trains_as_one_process(tmp_path):
+@pytest.mark.parametrize("rule", [[], ["--normuon"]], ids=["muon", "normuon"])
+def test_two_dimensional_data_and_tensor_parallel_trains_as_one_process(tmp_path, rule):
     """dp=2 x tp=2 on 4 ranks: the projections are DTensors on the 2-D mesh (FSDP2 over TP: colwise weights
     ``(_StridedShard(0), Shard(0))``, rowwise ``(Shard(0), Shard(1))``), the embedding, norms and head DTensors
     on the data-parallel mesh alone; the norms and checks run over both meshes, and the Newton-Schulz work is
-    split over the four ranks."""
-    clip = ["--clip", "0.5"]
+    split over the four ranks. NorMuon too: each owner's rows' statistics, each rank normalising its block."""
+    clip = ["--clip", "0.5", *rule]
     (single,) = run(tmp_path / "one", 1, *clip)
     ranks = run(tmp_path / "2d", 4, "--data-parallel", "2", *clip)
     assert ranks[0]["world"] == 4

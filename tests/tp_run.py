@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save", default=None, help="keep every epoch's checkpoint in this directory")
     parser.add_argument("--ckpt", default=None, help="resume from this checkpoint")
     parser.add_argument("--monitor", action="store_true", help="MuonMonitor every step, into out/metrics.csv")
+    parser.add_argument("--normuon", action="store_true", help="NorMuon (normuon_beta2=0.95) on the mixin's Muon")
     parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QKClip(tau) after every update")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -167,10 +168,11 @@ def main(argv: list[str] | None = None) -> None:
         gradient_clip_algorithm=args.clip_algorithm,
         use_distributed_sampler=False,  # the dataloader shards the data-parallel dimension itself
     )
+    muon = muon_factory(**({"normuon_beta2": 0.95} if args.normuon else {}))
     if args.all_dtensor:
-        model = OneOptimizerAllDTensorLM() if args.one_optimizer else MuonAllDTensorLM(muon=muon_factory())
+        model = OneOptimizerAllDTensorLM() if args.one_optimizer else MuonAllDTensorLM(muon=muon)
     else:
-        model = OneOptimizerTinyLM() if args.one_optimizer else MuonTinyLM(muon=muon_factory())
+        model = OneOptimizerTinyLM() if args.one_optimizer else MuonTinyLM(muon=muon)
     trainer.fit(model, ckpt_path=args.ckpt)
 
 

@@ -54,6 +54,7 @@ from lightning_muon.optim._plan import (
     plan_jobs,
 )
 from lightning_muon.optim._update import Bucket, Chooser, ParamDiagnostics
+from lightning_muon.optim.groups import SECOND_MOMENT, layouts_of
 
 #: The most bytes one FSDP2 exchange buffer holds per rank by default (a round of exchanges stays within it,
 #: see `lightning_muon.optim._plan.exchange_rounds`): large enough for all-to-alls at full bandwidth and for
@@ -105,8 +106,12 @@ class Strategy(ABC):
         if every:
             has_grad = self.agree(has_grad, every[0].device)
         if self.complete_state:  # a zero buffer steps exactly as a fresh one when a gradient comes
-            for p in every:
-                state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+            for group in param_groups:
+                normuon = group.get("normuon_beta2") is not None
+                for p, layout in zip(group["params"], layouts_of(group), strict=True):
+                    state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                    if normuon and SECOND_MOMENT not in state[p]:
+                        state[p][SECOND_MOMENT] = _update.new_second_moment(p, layout)
         return _update.collect_buckets(
             param_groups, state, has_grad, whole_dtensors=self.whole_dtensors, synced=self.synced, named=named
         )
@@ -302,6 +307,7 @@ class ShardedStep(DistributedStep):
         results = {j: _update.orthogonalise(buckets[jobs[j].bucket].group, stack) for j, stack in whole.items()}
         self.ns_flops += sum(buckets[jobs[j].bucket].subset(jobs[j].indices).flops for j in whole)
         device = local[0].params[0].device
+        statistics = self._normuon_statistics(buckets, jobs, results, device)
         mine = scatter_from_owners(results, owners, layouts, self.world, device, self.buffers)
         self.exchanged_bytes += sum(
             s.numel() * layout.dtype.itemsize for ss, layout in zip(shards, layouts, strict=True) for s in ss
@@ -310,8 +316,49 @@ class ShardedStep(DistributedStep):
         for job, got in zip(jobs, mine, strict=True):
             rows_of.update(zip([(job.bucket, i) for i in job.indices], got, strict=True))
         for b, (ix, part) in parts.items():
-            _update.apply(part, [rows_of[b, i] for i in ix])
+            rows, normuon = [rows_of[b, i] for i in ix], (b, ix[0]) in statistics
+            if normuon:  # each rank normalises its own rows by the whole rows' statistics
+                sharded = buckets[b].subset(ix).params
+                rows = _update.normalize_shards(part, rows, [statistics[b, i] for i in ix], sharded)
+            _update.apply(part, rows, normalized=normuon)
         return results
+
+    def _normuon_statistics(self, buckets: Sequence[Bucket], jobs: Sequence[Job], results: dict[int, Tensor],
+                            device: torch.device) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:
+        """NorMuon's row statistics of the round's matrices (`_update.normuon_statistics`), by ``(bucket,
+        position)``: a neuron's mean square needs its whole row, and the rescale the whole matrix, so each owner
+        computes them on the whole results it holds, and one all-reduce (the others adding zeros: exact) gives
+        every rank all of them. Empty when no matrix of the round is NorMuon's (no exchange)."""
+        spans, total = [], 0
+        for j, job in enumerate(jobs):
+            bucket = buckets[job.bucket]
+            if bucket.group.get("normuon_beta2") is None:
+                continue
+            sizes = [(v.numel(), v.numel() // v.shape[-1] // v.shape[-2]) for v in bucket.subset(job.indices).moments]
+            spans.append((j, total, sizes))
+            total += sum(a + b for a, b in sizes)
+        if not spans:
+            return {}
+        flat = torch.zeros(total, dtype=torch.float32, device=device)
+        for j, start, _ in spans:
+            if j in results:
+                job = jobs[j]
+                part = buckets[job.bucket].subset(job.indices)
+                whole = results[j].reshape(len(job.indices), part.per_param, *part.shape).unbind(0)
+                pieces = [t.flatten() for pair in _update.normuon_statistics(part, list(whole)) for t in pair]
+                values = torch.cat(pieces)
+                flat[start : start + len(values)] = values
+        dist.all_reduce(flat, group=self.world.group)
+        statistics = {}
+        for j, start, sizes in spans:
+            job = jobs[j]
+            for i, moment, (neurons, matrices) in zip(job.indices, buckets[job.bucket].subset(job.indices).moments,
+                                                      sizes, strict=True):
+                mean_square = flat[start : start + neurons].reshape(moment.shape)
+                rescale = flat[start + neurons : start + neurons + matrices].reshape(*moment.shape[:-2], 1, 1)
+                statistics[job.bucket, i] = (mean_square, rescale)
+                start += neurons + matrices
+        return statistics
 
 
 def _chosen_rows(buckets: Sequence[Bucket], diagnose: Chooser) -> dict[tuple[int, int], int]:

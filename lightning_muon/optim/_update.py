@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from lightning_muon.optim._collectives import ExchangeLayout
-from lightning_muon.optim._dtensor import is_dtensor, matrix_parts
+from lightning_muon.optim._dtensor import is_dtensor, local_slices, matrix_parts
 from lightning_muon.optim.groups import (
     NORMUON_EPS,
     SECOND_MOMENT,
@@ -115,11 +115,9 @@ class Bucket(NamedTuple):
         return layout if all(cut is None for cut in cuts) else layout._replace(cuts=cuts)
 
     def local(self) -> Bucket:
-        """The bucket on this rank's shards (views: in-place updates reach the DTensors)."""
-        return self._replace(
-            params=_locals(self.params), grads=_locals(self.grads), bufs=_locals(self.bufs),
-            moments=_locals(list(self.moments)),
-        )
+        """The bucket on this rank's shards (views: in-place updates reach the DTensors); NorMuon's moments are
+        whole on every rank (one value per neuron), and stay so."""
+        return self._replace(params=_locals(self.params), grads=_locals(self.grads), bufs=_locals(self.bufs))
 
     def subset(self, indices: Sequence[int]) -> Bucket:
         """The bucket restricted to the parameters at ``indices`` (its group, shape and layout kept); the whole
@@ -206,8 +204,7 @@ def collect_buckets(
                 state[p]["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
             name, layout, sizes = param_name(group, i, index + i) if named else "", group_layouts[i], group_blocks[i]
             if normuon and SECOND_MOMENT not in state[p]:
-                shape = row_moment_shape(p.shape, layout)
-                state[p][SECOND_MOMENT] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+                state[p][SECOND_MOMENT] = new_second_moment(p, layout)
             # A fused projection's blocks step as separate parameters would: views of the tensor, its gradient,
             # its momentum buffer and NorMuon's second moment (which stay whole in the state).
             whole = [p, grad, state[p]["momentum_buffer"], *([state[p][SECOND_MOMENT]] if normuon else [])]
@@ -225,6 +222,13 @@ def collect_buckets(
             bucket = Bucket(group, *pick, matrix_shape(shape, layout), layout, matrices_in(shape, layout))
             buckets.append(bucket._replace(moments=[moments[k] for k in ks]) if normuon else bucket)
     return buckets
+
+
+def new_second_moment(p: Tensor, layout: str) -> Tensor:
+    """NorMuon's second moment of a parameter before its first step: float32 zeros, one per neuron
+    (`row_moment_shape`), a plain tensor of the whole parameter's neurons also when it is a DTensor (every rank
+    keeps them all, and every rank advances them alike)."""
+    return torch.zeros(row_moment_shape(p.shape, layout), dtype=torch.float32, device=p.device)
 
 
 def advance_momentum(bucket: Bucket) -> None:
@@ -342,26 +346,95 @@ def normalize_rows(bucket: Bucket, orthogonal: list[Tensor]) -> list[Tensor]:
     """NorMuon (Li et al. 2025, arXiv 2510.05491) on the whole orthogonalised updates of a bucket, in float32:
     each neuron's second moment ``v <- v.lerp(mean(O_row**2), 1 - normuon_beta2)`` (in the bucket's
     ``moments``, in place), each row divided by ``sqrt(v) + 1e-8``, and each matrix rescaled to the Frobenius
-    norm ``O`` had. One result per update, its shape kept."""
+    norm ``O`` had. One result per update, its shape kept. DTensor updates (the fallback that gathers sharded
+    matrices whole on every rank) are normalised whole and sharded again."""
+    if is_dtensor(orthogonal[0]):
+        from torch.distributed.tensor import distribute_tensor
+
+        wholes = normalize_rows(bucket, [cast("DTensor", o).full_tensor() for o in orthogonal])
+        return [distribute_tensor(w, o.device_mesh, o.placements, src_data_rank=None)  # type: ignore[attr-defined]
+                for w, o in zip(wholes, orthogonal, strict=True)]
+    normalized, _, _ = _normuon(bucket, orthogonal, in_place=True)
+    return [u.reshape(o.shape) for u, o in zip(normalized.unbind(0), orthogonal, strict=True)]
+
+
+def normuon_statistics(bucket: Bucket, orthogonal: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """What an owner of whole matrices tells the ranks that hold their shards (`normalize_shards`), one pair per
+    update, in float32: each neuron's mean square ``mean(O_row**2)`` (shaped as its second moment,
+    `row_moment_shape`) and each matrix's rescale (``(*stack, 1, 1)``, or ``(1, 1)``), as `normalize_rows`
+    computes them; the bucket's moments are read, not changed."""
+    _, mean_square, rescale = _normuon(bucket, orthogonal, in_place=False)
+    moments = list(bucket.moments)
+    return [(s.reshape(v.shape), r.reshape(*v.shape[:-2], 1, 1))
+            for s, r, v in zip(mean_square.unbind(0), rescale.unbind(0), moments, strict=True)]
+
+
+def _normuon(bucket: Bucket, orthogonal: list[Tensor], in_place: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """NorMuon's maths on a bucket's whole updates: the normalised updates ``(updates, per_param, m, n)``, the
+    neurons' mean squares and the matrices' rescales; the moments advanced in place where ``in_place``."""
     m, n = bucket.shape
     per, dim = (bucket.per_param, m, n), (-2 if bucket.layout in STORED_IN_OUT else -1)
     updates = torch.stack([o.reshape(per) for o in orthogonal]).float()
     moments = torch.stack([v.reshape(bucket.per_param, *v.shape[-2:]) for v in bucket.moments]).float()
     norms = torch.linalg.vector_norm(updates, dim=(-2, -1), keepdim=True)
-    moments.lerp_(updates.square().mean(dim=dim, keepdim=True), 1 - bucket.group["normuon_beta2"])
+    mean_square = updates.square().mean(dim=dim, keepdim=True)
+    moments.lerp_(mean_square, 1 - bucket.group["normuon_beta2"])
     normalized = updates / (moments.sqrt() + NORMUON_EPS)
-    normalized *= norms / torch.linalg.vector_norm(normalized, dim=(-2, -1), keepdim=True).clamp_min(NORMUON_EPS)
-    olds = list(bucket.moments)
-    torch._foreach_copy_(olds, [v.reshape(old.shape) for v, old in zip(moments, olds, strict=True)])
-    return [u.reshape(o.shape) for u, o in zip(normalized.unbind(0), orthogonal, strict=True)]
+    rescale = norms / torch.linalg.vector_norm(normalized, dim=(-2, -1), keepdim=True).clamp_min(NORMUON_EPS)
+    normalized *= rescale
+    if in_place:
+        olds = list(bucket.moments)
+        torch._foreach_copy_(olds, [v.reshape(old.shape) for v, old in zip(moments, olds, strict=True)])
+    return normalized, mean_square, rescale
 
 
-def apply(bucket: Bucket, orthogonal: list[Tensor]) -> None:
+def normalize_shards(bucket: Bucket, shards: list[Tensor], statistics: Sequence[tuple[Tensor, Tensor]],
+                     sharded: Sequence[Tensor]) -> list[Tensor]:
+    """NorMuon on this rank's shards of a bucket's updates (``bucket``: the local one, whose ``moments`` are whole
+    on every rank), from the whole matrices' `normuon_statistics` an owner computed: every rank advances every
+    moment alike, then divides its rows by theirs and rescales them, element by element as `normalize_rows` does
+    on one process. ``sharded``: the DTensor parameters, for where each shard lies. Results in float32."""
+    results = []
+    beta2 = bucket.group["normuon_beta2"]
+    for shard, moment, (mean_square, rescale), param in zip(shards, bucket.moments, statistics, sharded,
+                                                            strict=True):
+        moment.lerp_(mean_square, 1 - beta2)
+        rows, scale = moment_slices(param, bucket.layout)
+        local = shard.float().reshape(_matrix_view(param.to_local().shape, bucket.layout))  # type: ignore[attr-defined]
+        normalized = local / (moment[rows].sqrt() + NORMUON_EPS)
+        normalized *= rescale[scale]
+        results.append(normalized.reshape(shard.shape))
+    return results
+
+
+def _matrix_view(shape: torch.Size, layout: str) -> tuple[int, ...]:
+    """A (local) parameter's shape as its second moment broadcasts against it: ``(rows, rest)`` for ``"flatten"``
+    (a conv kernel's matrix), the shape itself for the other layouts."""
+    return (shape[0], math.prod(shape[1:])) if layout == "flatten" else tuple(shape)
+
+
+def moment_slices(param: Tensor, layout: str) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
+    """Where this rank's shard of a DTensor parameter lies in its whole second moment (`row_moment_shape`) and
+    in its matrices' rescales (``(*stack, 1, 1)`` or ``(1, 1)``)."""
+    cut = local_slices(param)
+    every = slice(None)
+    if layout == "flatten":
+        return (cut[0], every), (every, every)
+    if layout == "in_out":
+        return (every, cut[1]), (every, every)
+    stack = cut[:-2]
+    if layout == "stack":
+        return (*stack, cut[-2], every), (*stack, every, every)
+    return (*stack, every, cut[-1]), (*stack, every, every)
+
+
+def apply(bucket: Bucket, orthogonal: list[Tensor], normalized: bool = False) -> None:
     """Decoupled weight decay with the base lr, then the shape-adjusted orthogonalised step. NorMuon groups
-    (``normuon_beta2``) normalise the rows first (`normalize_rows`); with ``cautious_weight_decay`` an entry
-    decays only where it and its update have the same sign (``p * update >= 0``), as dion's ``cautious_wd``."""
+    (``normuon_beta2``) normalise the rows first (`normalize_rows`), unless ``normalized`` says it is done
+    (`normalize_shards`); with ``cautious_weight_decay`` an entry decays only where it and its update have the
+    same sign (``p * update >= 0``), as dion's ``cautious_wd``."""
     group = bucket.group
-    if group.get("normuon_beta2") is not None:
+    if group.get("normuon_beta2") is not None and not normalized:
         orthogonal = normalize_rows(bucket, orthogonal)
     # 2D updates go in as they are (a tall one is a transposed view: no copy); ND ones are unflattened.
     shaped = [o if o.shape == p.shape else o.reshape(p.shape) for o, p in zip(orthogonal, bucket.params, strict=True)]

@@ -163,17 +163,6 @@ def _block_refusal(p: Tensor, layout: str, sizes: Any) -> str | None:
     return None
 
 
-def _normuon_refusal(group: dict[str, Any], p: Tensor) -> str | None:
-    """Why NorMuon cannot take ``p``, or ``None``: a row's statistic needs the whole row and the rescale the
-    whole matrix, which a DTensor shard does not hold."""
-    if group.get("normuon_beta2") is None or not is_dtensor(p):
-        return None
-    return (
-        "NorMuon (normuon_beta2) does not support DTensor (FSDP2, tensor-parallel) parameters yet. Train it "
-        "with one process or DDP, or set normuon_beta2=None for plain Muon under ModelParallelStrategy."
-    )
-
-
 class Muon(Optimizer):
     """Muon: SGD-momentum whose update is orthogonalised by Newton-Schulz iterations.
 
@@ -258,8 +247,10 @@ class Muon(Optimizer):
         normuon_beta2: ``None`` (default): plain Muon. A number in ``[0, 1)``: NorMuon, with this decay of
             each neuron's running mean squared update (0.95 in dion and the paper). Adds one float32 per
             row of each matrix to the state (``normuon_second_moment``); under DDP every rank updates every
-            row's statistic from the gathered updates, as it does every momentum buffer. Not on DTensor
-            (FSDP2, tensor-parallel) parameters yet.
+            row's statistic from the gathered updates, as it does every momentum buffer. Under FSDP2 and
+            tensor parallelism (DTensor parameters) each matrix's owner computes its rows' statistics from the
+            whole matrix, one all-reduce shares them, and every rank keeps every row's second moment (one
+            float32 a neuron: a plain tensor in the state, saved once in a distributed checkpoint).
         cautious_weight_decay: decay an entry only where it and its update have the same sign (dion's
             ``cautious_wd``, Chen et al. 2025); default ``False``: every entry decays.
     """
@@ -335,8 +326,7 @@ class Muon(Optimizer):
             )
         layouts, blocks = groups.layouts_of(group), groups.blocks_of(group)
         for i, (p, layout, sizes) in enumerate(zip(group["params"], layouts, blocks, strict=True)):
-            problem = (_refusal(p, layout) or _block_refusal(p, layout, sizes) or self._choice.refusal(p)
-                       or _normuon_refusal(group, p))
+            problem = _refusal(p, layout) or _block_refusal(p, layout, sizes) or self._choice.refusal(p)
             if problem is not None:
                 self.param_groups.pop()  # refuse the whole group, as if it had never been added
                 raise ValueError(

@@ -339,22 +339,6 @@ def test_bad_settings_are_refused_by_muon_and_muon_with_adamw(kwargs, pattern):
 # --------------------------------------------------------------------------- distributed
 
 
-def test_normuon_refuses_dtensor_parameters_with_the_way_out():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
-        with pytest.raises(ValueError, match=r"Muon got parameter 0 of shape \(8, 4\): NorMuon \(normuon_beta2\) "
-                                             r"does not support DTensor .* set normuon_beta2=None"):
-            Muon([p], normuon_beta2=BETA2)
-        Muon([p], cautious_weight_decay=True)  # cautious decay is elementwise: shards are fine
-    finally:
-        dist.destroy_process_group()
-
-
 DDP_SHAPES = [(12, 20), (20, 12), (12, 20), (3, 8, 5), (6, 3, 2, 2)]
 DDP_LAYOUTS = ["flatten", "flatten", "flatten", "stack", "flatten"]
 
