@@ -100,6 +100,39 @@ def test_load_from_checkpoint_rebuilds_the_same_configuration(tmp_path, two_epoc
     assert [type(s) for s in schedulers] == [WarmupCosine] * 2 and all(s.warmup_steps == 2 for s in schedulers)
 
 
+#: Every update-rule option of issue 41 at once: NorMuon and cautious weight decay on the Muon factory, and the
+#: hidden 24x16 matrix split into row blocks of 16 and 8 (as a fused projection's).
+OPTIONS = {"muon": functools.partial(Muon, lr=0.02, weight_decay=0.01, normuon_beta2=0.95, cautious_weight_decay=True),
+           "matrix_blocks": {"net.2.weight": [16, 8]}}
+
+
+def test_resume_with_normuon_cautious_decay_and_blocks_reproduces_the_uninterrupted_run(tmp_path):
+    """The second moments (one per row of each block) travel in the checkpoint, the settings in its
+    hyperparameters, and the resumed fit ends bit for bit where the straight one did."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    straight = MuonRegression(lr_scheduler=SCHEDULE, **OPTIONS)
+    make_trainer(tmp_path / "straight", max_epochs=2, enable_checkpointing=True, callbacks=[checkpoints]).fit(straight)
+    checkpoint = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)
+    (moment,) = [state["normuon_second_moment"] for state in checkpoint["optimizer_states"][0]["state"].values()]
+    assert moment.shape == (24, 1) and moment.dtype == torch.float32 and bool((moment > 0).all())
+    (group,) = checkpoint["optimizer_states"][0]["param_groups"]
+    assert (group["normuon_beta2"], group["cautious_weight_decay"], group["matrix_blocks"]) == (0.95, True, [[16, 8]])
+    assert checkpoint["hyper_parameters"]["matrix_blocks"] == {"net.2.weight": [16, 8]}
+
+    resumed = MuonRegression(lr_scheduler=SCHEDULE, **OPTIONS)
+    make_trainer(tmp_path / "resumed", max_epochs=2).fit(resumed, ckpt_path=tmp_path / "epoch=0.ckpt")
+    expected, final = snapshot(straight), snapshot(resumed)
+    for name in expected:
+        assert torch.equal(final[name], expected[name]), name
+    # Control: the moments matter (zeroed, the resume ends elsewhere).
+    for state in checkpoint["optimizer_states"][0]["state"].values():
+        state["normuon_second_moment"].zero_()
+    torch.save(checkpoint, tmp_path / "zeroed.ckpt")
+    zeroed = MuonRegression(lr_scheduler=SCHEDULE, **OPTIONS)
+    make_trainer(tmp_path / "zeroed", max_epochs=2).fit(zeroed, ckpt_path=tmp_path / "zeroed.ckpt")
+    assert not torch.equal(snapshot(zeroed)["net.2.weight"], expected["net.2.weight"])
+
+
 def test_resume_with_different_routing_is_refused(tmp_path, two_epoch_run):
     model = MuonRegression(lr_scheduler=SCHEDULE, adamw_params=["net.2.weight"])
     assert model.muon_routing().names("AdamW").count("net.2.weight") == 1
