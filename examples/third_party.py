@@ -23,14 +23,16 @@ from lightning_muon.examples.digits_cnn import DigitsClassifier
 __all__ = ["FAMILIES", "MuonThirdPartyDigits", "MuonThirdPartyLM", "ThirdPartyDigits", "ThirdPartyLM", "build_lm"]
 
 #: The language-model families `ThirdPartyLM` builds, and the library each comes from.
-FAMILIES = {"llama": "transformers", "gpt2": "transformers", "litgpt": "litgpt"}
+FAMILIES = {"llama": "transformers", "gpt2": "transformers", "qwen3_moe": "transformers", "litgpt": "litgpt"}
 VOCAB_SIZE = 256  # bytes
 
 
 def build_lm(family: str, n_layer: int, n_head: int, n_embd: int, block_size: int) -> nn.Module:
     """The ``family``'s causal LM with a 256-byte vocabulary, random init: transformers' ``LlamaForCausalLM``
-    (grouped-query attention, SwiGLU MLP ``2.75 x n_embd``, RoPE, untied head) or ``GPT2LMHeadModel`` (tied head,
-    ``Conv1D`` weights stored ``in x out``), or litgpt's ``GPT`` (Llama-style: RMSNorm, SwiGLU, RoPE, untied)."""
+    (grouped-query attention, SwiGLU MLP ``2.75 x n_embd``, RoPE, untied head), ``GPT2LMHeadModel`` (tied head,
+    ``Conv1D`` weights stored ``in x out``) or ``Qwen3MoeForCausalLM`` (Llama-style attention with q/k norms; each
+    MLP 8 SwiGLU experts of width ``n_embd``, 2 chosen a token by a linear router, stored as fused 3-D stacks; no
+    load-balancing loss), or litgpt's ``GPT`` (Llama-style: RMSNorm, SwiGLU, RoPE, untied)."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {', '.join(map(repr, FAMILIES))}, got {family!r}")
     if family == "litgpt":
@@ -50,6 +52,14 @@ def build_lm(family: str, n_layer: int, n_head: int, n_embd: int, block_size: in
             max_position_embeddings=block_size, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
         )
         return transformers.LlamaForCausalLM(config)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=n_embd, intermediate_size=int(2.75 * n_embd),
+            moe_intermediate_size=n_embd, num_experts=8, num_experts_per_tok=2, num_hidden_layers=n_layer,
+            num_attention_heads=n_head, num_key_value_heads=max(1, n_head // 2), head_dim=n_embd // n_head,
+            max_position_embeddings=block_size, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+        )
+        return transformers.Qwen3MoeForCausalLM(config)
     config = transformers.GPT2Config(
         vocab_size=VOCAB_SIZE, n_positions=block_size, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
         bos_token_id=0, eos_token_id=1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -64,7 +74,7 @@ class ThirdPartyLM(ByteLM):
     trains with AdamW (lr 1e-3, betas (0.9, 0.95)); `MuonThirdPartyLM` is the Muon version.
 
     Args:
-        family: ``"llama"`` or ``"gpt2"`` (transformers) or ``"litgpt"``.
+        family: ``"llama"``, ``"gpt2"`` or ``"qwen3_moe"`` (transformers) or ``"litgpt"``.
         n_layer: transformer blocks.
         n_head: attention heads (half as many key/value heads for Llama and litgpt).
         n_embd: width of the residual stream.

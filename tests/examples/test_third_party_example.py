@@ -25,6 +25,8 @@ LM_ADAMW = {
     "llama": {"model.model.embed_tokens.weight", "model.lm_head.weight"},
     "gpt2": {"model.transformer.wte.weight", "model.transformer.wpe.weight"},  # the head is tied to wte
     "litgpt": {"model.transformer.wte.weight", "model.lm_head.weight"},
+    # the router: a stack of gate vectors, one an expert; the expert stacks (3-D) are Muon's
+    "qwen3_moe": {"model.model.embed_tokens.weight", "model.lm_head.weight", "model.model.layers.0.mlp.gate.weight"},
 }
 
 
@@ -47,18 +49,22 @@ def test_third_party_lm_trains_with_its_hidden_matrices_on_muon(tmp_path, family
     trainer.fit(model, datamodule=data)
 
     muon, adamw = (o.optimizer for o in model.optimizers())
-    matrices = {n for n, p in model.named_parameters() if p.ndim == 2}
+    matrices = {n for n, p in model.named_parameters() if p.ndim >= 2}
     assert names(muon) == matrices - LM_ADAMW[family]
     assert LM_ADAMW[family] <= names(adamw)
     if family == "gpt2":  # transformers' Conv1D stores in x out: its lr is scaled by the real shape
         layouts = {n: layout for g in muon.param_groups for n, layout in zip(g["param_names"], g["matrix_layouts"])}
         assert set(layouts.values()) == {"in_out"}
+    if family == "qwen3_moe":  # 8 experts a stack, out x in: each expert orthogonalised alone
+        layouts = {n: layout for g in muon.param_groups for n, layout in zip(g["param_names"], g["matrix_layouts"])}
+        assert {n.split(".")[-1] for n, layout in layouts.items() if layout == "stack"} == {"gate_up_proj",
+                                                                                          "down_proj"}
     val = [float(r["val_loss"]) for r in read_metrics(tmp_path / "logs") if r.get("val_loss")]
     assert len(val) == 1 and val[0] < math.log(256)
 
 
 def test_third_party_lm_refuses_an_unknown_family():
-    with pytest.raises(ValueError, match=r"family must be one of 'llama', 'gpt2', 'litgpt', got 'bert'"):
+    with pytest.raises(ValueError, match=r"family must be one of 'llama', 'gpt2', 'qwen3_moe', 'litgpt', got 'bert'"):
         ThirdPartyLM(family="bert")
 
 
@@ -141,7 +147,7 @@ def test_gpt_init_from_refuses_a_missing_file_or_one_without_weights(tmp_path):
 def benchmark_modules(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     yield
-    for name in ("third_party", "finetune", "_tuned", "_common", "_report"):
+    for name in ("third_party", "finetune", "muon_variants", "_tuned", "_common", "_report"):
         sys.modules.pop(name, None)
 
 
@@ -149,6 +155,7 @@ def benchmark_modules(monkeypatch):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_the_studies_configs_build_through_the_real_cli(tmp_path):
     import finetune
+    import muon_variants
     import third_party
 
     from lightning_muon.commands.lightning_cli import MuonCLI
@@ -161,6 +168,10 @@ def test_the_studies_configs_build_through_the_real_cli(tmp_path):
     written |= {name: finetune.side_config(name, checkpoint, steps=5) for name in finetune.SIDES}
     for key, (_, args) in third_party.VARIANTS.items():
         written[f"gpt2_{key}"] = third_party.config(third_party.MODELS["gpt2"], True, steps=5, **args)
+    for study, spec in muon_variants.STUDIES.items():
+        if study != "litgpt" or importlib.util.find_spec("litgpt") is not None:
+            written |= {f"variants_{study}_{option}": muon_variants.config(spec["spec"], option, steps=5)
+                        for option in spec["options"]}
     for name, config in written.items():
         path = third_party._tuned.write_config(tmp_path / f"{name}.yaml", config, "a test")
         cli = MuonCLI(args=["--config", str(path), "--trainer.logger=false"], run=False)
@@ -169,7 +180,7 @@ def test_the_studies_configs_build_through_the_real_cli(tmp_path):
             assert muon is None, name
             continue
         muon_args = muon["init_args"]
-        assert muon_args["ns_dtype"] in ("float32", "bfloat16"), name
+        assert muon_args["ns_dtype"] in ("float32", "bfloat16", None), name  # None: the library's choice
         if name == "ft_muon_match":
             assert muon_args["adjust_lr_fn"] == "match_rms_adamw"
         if name.startswith("lora"):  # where the adapters go: both on Muon, or one moved to AdamW by a pattern
@@ -180,4 +191,11 @@ def test_the_studies_configs_build_through_the_real_cli(tmp_path):
             assert muon_args["ns_gram_aspect"] is None
         if name == "gpt2_bf16_polar":
             assert muon_args["ns_coefficients"] == "polar_express"
-    assert len(written) >= 16
+        if name.endswith("_normuon"):
+            assert muon_args["normuon_beta2"] == 0.95
+        if name.endswith("_cautious"):
+            assert muon_args["cautious_weight_decay"] is True
+        if name.endswith("_split"):  # the fused projections the routing finds, each split into its blocks
+            blocks = [r for r in cli.model.muon_routing().routes if r.blocks]
+            assert blocks and cli.model.hparams["split_fused"] is True, name
+    assert len(written) >= 28

@@ -1,0 +1,172 @@
+"""The update-rule options against plain Muon on models other libraries wrote, each side tuned: NorMuon and
+cautious weight decay on transformers' Llama, NorMuon and the fused ``gate_up_proj`` split per block on
+transformers' Qwen3-MoE, the fused projections split per block on GPT-2 (``c_attn``: q, k, v) and litgpt
+(``qkv``: unequal blocks under grouped-query attention). The shipped GPT's comparison is
+``results/muon_variants/`` (one ``lightning-muon compare`` command, in its report).
+
+Each model's sides are configs this writes (the model from `lightning_muon.examples.third_party`, the Muon
+settings of the shipped configs, the library's default Newton-Schulz dtype); each study is one run of the real
+command::
+
+    lightning-muon compare MODEL_muon.yaml MODEL_normuon.yaml ... --multipliers 0.5,1,2 --seeds 2 --baseline MODEL_muon
+
+and a best lr at an end of its grid is followed past it (`_tuned.extend_edges`), the report then written again
+from all the runs (``compare --from-logs``).
+
+    python benchmarks/muon_variants.py --write     # ~1 h on 2 cores (two studies at a time, one thread a fit)
+    python benchmarks/muon_variants.py --studies gpt2 --steps 20 --seeds 1 --multipliers 1 --out /tmp/mv  # a trial
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import _tuned
+from third_party import MODELS, TEXT, TRAINER
+
+from lightning_muon.commands.compare.aggregate import edge_notes, spread
+
+import _common
+import _report
+
+RESULTS = _common.ROOT / "benchmarks" / "results"
+MOE = dict(what="transformers `Qwen3MoeForCausalLM` (8 SwiGLU experts of width 128, top 2, fused `gate_up_proj` "
+                "stacks; no load-balancing loss), 2 layers, width 128",
+           model=MODELS["llama"]["model"], args={"family": "qwen3_moe", "n_layer": 2, "n_embd": 128}, data=TEXT,
+           muon_lr=0.02, rest_lr=0.003)
+#: Each option: what it is, and what it sets: on the Muon optimizer (``muon``) or on the model (``model``).
+OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "muon": ("plain Muon (the baseline)", {}),
+    "normuon": ("NorMuon, `normuon_beta2: 0.95`", {"muon": {"normuon_beta2": 0.95}}),
+    "cautious": ("cautious weight decay, `cautious_weight_decay: true`", {"muon": {"cautious_weight_decay": True}}),
+    "split": ("fused projections split per block, `split_fused: true`", {"model": {"split_fused": True}}),
+}
+#: Each study: its model and the options its sides take (the first is the baseline).
+STUDIES: dict[str, dict[str, Any]] = {
+    "llama": dict(spec=MODELS["llama"], options=["muon", "normuon", "cautious"]),
+    "qwen3_moe": dict(spec=MOE, options=["muon", "normuon", "split"]),
+    "gpt2": dict(spec=MODELS["gpt2"], options=["muon", "split"]),
+    "litgpt": dict(spec=MODELS["litgpt"], options=["muon", "split"]),
+}
+
+
+def config(spec: dict[str, Any], option: str, steps: int) -> dict[str, Any]:
+    """One side's config: ``spec``'s model with Muon + AdamW and the ``option``'s settings."""
+    sets = OPTIONS[option][1]
+    opt = _tuned.optimizers(spec["muon_lr"], spec["rest_lr"], ns_dtype=None, **sets.get("muon", {}))
+    return {"seed_everything": 0, "trainer": {**TRAINER, "max_steps": steps}, "data": spec["data"],
+            "model": {"class_path": spec["model"], "init_args": {**spec["args"], **opt, **sets.get("model", {})}}}
+
+
+def run_study(name: str, out: Path, steps: int, seeds: int, multipliers: str, val_batches: int,
+              threads: int | None) -> list[str]:
+    """Write the study's configs and run ``compare`` on them (then `_tuned.extend_edges`); returns the command."""
+    study = STUDIES[name]
+    configs = [_tuned.write_config(out / "configs" / f"{name}_{option}.yaml", config(study["spec"], option, steps),
+                                   f"{study['spec']['what']}; {OPTIONS[option][0]}; written by "
+                                   "benchmarks/muon_variants.py")
+               for option in study["options"]]
+    common = ["--val_points", "6", "--trainer.limit_val_batches", str(val_batches)]
+    options = ["--multipliers", multipliers, "--seeds", str(seeds), "--baseline", configs[0].stem, *common]
+    command = _tuned.compare(configs, out / name, options, threads)
+    if _tuned.extend_edges(configs, out / name, seeds, common, threads, label=name):
+        _tuned.compare([], out / name, ["--baseline", configs[0].stem, "--from-logs",
+                                        *(str(out / name / "lightning_logs" / c.stem) for c in configs)], threads)
+    return command
+
+
+def study_rows(name: str, out: Path) -> tuple[list[list[str]], list[str]]:
+    """One row per side of a study (the baseline first), and its edge notes."""
+    names = [f"{name}_{option}" for option in STUDIES[name]["options"]]
+    _, results, sides = _tuned.tuned(out / name, names, names[0])
+    base = results[0]
+    rows = []
+    for option, result, side in zip(STUDIES[name]["options"], results, sides, strict=True):
+        delta = "–" if result is base else f"{result.curve.final.mean() - base.curve.final.mean():+.4f}"
+        time_ratio = "–" if result is base or base.last_time is None or result.last_time is None else \
+            f"{result.last_time / base.last_time:.2f}x"
+        lrs = ", ".join(f"{lr:g}" for lr in side.grid)
+        rows.append([name, OPTIONS[option][0], f"{result.lr:g} (of {lrs})", str(len(side.seeds)),
+                     spread(result.curve.final), delta, f"{result.last_time:.0f} s" if result.last_time else "–",
+                     time_ratio])
+    return rows, [f"{name}: {note}" for note in edge_notes(sides)]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--studies", nargs="+", choices=list(STUDIES), default=list(STUDIES))
+    parser.add_argument("--steps", type=int, default=300, help="training steps of every fit (default 300)")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds at each side's best lr (default 2)")
+    parser.add_argument("--multipliers", default="0.5,1,2", help="the lr sweep around Muon lr 0.02 (default 0.5,1,2)")
+    parser.add_argument("--val-batches", type=int, default=10, help="validation batches (default 10)")
+    parser.add_argument("--jobs", type=int, default=2, help="compare commands at a time (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per fit (default 1)")
+    parser.add_argument("--write", action="store_true",
+                        help="write benchmarks/results/muon_variants_models.md and its RESULTS.md section")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="where the runs go (default: lightning_logs/muon_variants)")
+    args = parser.parse_args(argv)
+    out = Path(args.out or "lightning_logs/muon_variants").resolve()
+    load_before = os.getloadavg()
+    started = time.perf_counter()
+    print(f"muon_variants: {len(args.studies)} studies, {args.jobs} at a time; output in {out}/<study>/", flush=True)
+
+    def one(name: str) -> list[str]:
+        line = run_study(name, out, args.steps, args.seeds, args.multipliers, args.val_batches, args.threads)
+        print(f"  {name}: done in {_tuned.seconds(out / name) / 60:.1f} min", flush=True)
+        return line
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        commands = dict(zip(args.studies, pool.map(one, args.studies), strict=True))
+    rows, notes = zip(*(study_rows(name, out) for name in args.studies), strict=True)
+    header = ["model", "option", "best Muon lr (swept)", "seeds", "final val loss", "minus plain Muon's",
+              "train time", "train time / plain Muon's"]
+    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                      + ["| " + " | ".join(r) + " |" for group in rows for r in group])
+    elapsed = time.perf_counter() - started
+    report = "\n".join([
+        "# Update-rule options on third-party models: each against plain Muon, each side tuned", "",
+        f"Machine: {_common.machine(args.threads)} a fit, {args.jobs} compare commands at a time; load average "
+        f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
+        f"after; {datetime.date.today()}. The whole run took {elapsed / 60:.1f} min.", "",
+        f"Each model trained from scratch on the standard library's bytes, {args.steps} steps a fit (batch 32 x 128 "
+        f"bytes); each side's Muon lr swept x{{{args.multipliers}}} around 0.02 at seed 0 (a best lr at an end of the "
+        f"grid followed by up to {_tuned.EXTEND} more past it), then seeds 0–{args.seeds - 1} at its best; AdamW "
+        "(lr 0.003) on the embeddings, norms, routers and heads. Final val loss is the last validation "
+        f"({args.val_batches} fixed batches), mean ± std (min–max) over the seeds. Train time leaves validation out "
+        "(the mean over the seeds at the best lr; noisy when other work shares the machine). Newton-Schulz in the "
+        "library's default dtype (bf16 on this CPU, which has AVX512-BF16).", "",
+        *[f"- {name}: {STUDIES[name]['spec']['what']}" for name in args.studies], "",
+        table, "",
+        *[f"- {n}." for group in notes for n in group], "",
+        "Each study's full report (sweep and seeds tables, verdicts, plot) is `comparison.md` in its directory, "
+        "copied with its plot to `results/muon_variants_models/<model>/`, the configs to "
+        "`results/muon_variants_models/configs/`. Produced by:", "", "```bash",
+        shlex.join(["python", "benchmarks/muon_variants.py", *(sys.argv[1:] if argv is None else argv)]),
+        *[f"# {what}: {shlex.join(c)}" for what, c in commands.items()], "```",
+    ])
+    print(report, flush=True)
+    (out / "muon_variants_models.md").write_text(report + "\n")
+    if args.write:
+        keep = RESULTS / "muon_variants_models"
+        for name in args.studies:
+            (keep / name).mkdir(parents=True, exist_ok=True)
+            for file in ("comparison.md", "comparison.png"):
+                shutil.copy(out / name / file, keep / name / file)
+        shutil.copytree(out / "configs", keep / "configs", dirs_exist_ok=True)
+        _report.write_markdown("muon_variants_models", report + "\n")
+        print(f"Wrote {_report.RESULTS / 'muon_variants_models.md'} and its section of {_report.RESULTS_MD}")
+
+
+if __name__ == "__main__":
+    main()
