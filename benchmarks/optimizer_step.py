@@ -21,12 +21,12 @@ random gradients). Our rows: the default (Gram Newton-Schulz on matrices at
 least `DEFAULT_GRAM_ASPECT` times longer than wide), Gram off
 (``ns_gram_aspect=None``), Polar Express coefficients, and fp32 Newton-Schulz
 (the choice on CPUs without bf16 matmuls). ``--update-rules`` times NorMuon and cautious weight decay
-against plain Muon in bf16 and fp32 instead.
+and the fused qkv split into q, k and v (``matrix_blocks``) against plain Muon in bf16 and fp32 instead.
 
     python benchmarks/optimizer_step.py            # gpt2-small and width-128
     python benchmarks/optimizer_step.py --quick    # width-128 only, a few seconds
     python benchmarks/optimizer_step.py --device cuda --models gpt2-small 24x2048   # a GPU, bf16 NS
-    python benchmarks/optimizer_step.py --update-rules --models width-128 resnet18-conv   # NorMuon, cautious wd
+    python benchmarks/optimizer_step.py --update-rules --models width-128 gpt2-small  # NorMuon, cautious wd, split
 
 Prints the table; with ``--write`` also writes ``benchmarks/results/optimizer_step.md``
 (``optimizer_step_cuda.md`` on a GPU) and its ``benchmarks/RESULTS.md`` section.
@@ -107,6 +107,9 @@ OURS = {
     "ours (bf16, Polar Express)": {"ns_dtype": torch.bfloat16, "ns_coefficients": "polar_express"},
     "ours (fp32)": {"ns_dtype": torch.float32},
 }
+#: An update rule's setting that is no Muon argument: every fused ``3d x d`` qkv matrix split into its three
+#: ``d x d`` blocks (a param group's ``matrix_blocks``, as ``split_fused=True`` sets it for GPT-2's ``c_attn``).
+SPLIT_QKV = "split qkv"
 #: The update rules beside plain Muon (``--update-rules``): each against plain Muon in the same dtype.
 UPDATE_RULES = {
     "ours (bf16)": {},
@@ -115,6 +118,8 @@ UPDATE_RULES = {
     "ours (fp32)": {"ns_dtype": torch.float32},
     "ours (fp32, NorMuon)": {"ns_dtype": torch.float32, "normuon_beta2": 0.95},
     "ours (fp32, cautious wd)": {"ns_dtype": torch.float32, "cautious_weight_decay": True},
+    "ours (bf16, qkv split)": {SPLIT_QKV: True},
+    "ours (fp32, qkv split)": {"ns_dtype": torch.float32, SPLIT_QKV: True},
 }
 TORCH_MUON = "torch.optim.Muon (bf16)"
 ADAMW = "torch.optim.AdamW (fused)"
@@ -125,16 +130,21 @@ def build(label: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
         return torch.optim.Muon(params, **_MUON)
     if label == ADAMW:
         return torch.optim.AdamW(params, lr=3e-4, fused=True)
-    return lightning_muon.Muon(params, **_MUON, **OURS[label])
+    settings = dict(OURS[label])
+    if settings.pop(SPLIT_QKV, False):
+        blocks = [[p.shape[1]] * 3 if p.ndim == 2 and p.shape[0] == 3 * p.shape[1] else None for p in params]
+        return lightning_muon.Muon([{"params": params, "matrix_blocks": blocks}], **_MUON, **settings)
+    return lightning_muon.Muon(params, **_MUON, **settings)
 
 
 def ns_cost(optimizer: torch.optim.Optimizer, shapes: list[tuple[int, ...]]) -> int:
-    """Newton-Schulz FLOPs of one step on the path each matrix takes (Gram or not)."""
+    """Newton-Schulz FLOPs of one step on the path each matrix (or each block of a split one) takes (Gram or not)."""
     group = optimizer.param_groups[0]
     total = 0
-    for shape in shapes:
+    for shape, blocks in zip(shapes, group.get("matrix_blocks") or [None] * len(shapes), strict=True):
         m, n = matrix_shape(shape)
-        total += ns_flops(m, n, group["ns_steps"], gram=uses_gram(group, (m, n)), dtype=ns_dtype(group))
+        for rows in blocks or [m]:
+            total += ns_flops(rows, n, group["ns_steps"], gram=uses_gram(group, (rows, n)), dtype=ns_dtype(group))
     return total
 
 
@@ -262,8 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cpu-time", action="store_true",
                         help="time steps by this process's CPU time, not wall time (CPU; a machine other work shares)")
     parser.add_argument("--update-rules", action="store_true",
-                        help="our rows: plain Muon, NorMuon and cautious weight decay in bf16 and fp32 (no sweep; "
-                             "writes optimizer_step_update_rules.md)")
+                        help="our rows: plain Muon, NorMuon, cautious weight decay and the qkv split in bf16 and fp32 "
+                             "(no sweep; writes optimizer_step_update_rules.md)")
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/optimizer_step.md and its RESULTS.md section (else: print)")
     args = parser.parse_args(argv)
