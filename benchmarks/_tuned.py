@@ -7,7 +7,9 @@ numbers are the command's own; these helpers only write its configs and read its
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +30,17 @@ MUON_ARGS = {"momentum": 0.95, "weight_decay": 0.01, "ns_dtype": "float32"}
 ADAMW_ARGS = {"betas": [0.9, 0.95], "weight_decay": 0.0}
 #: How many lrs `extend_edges` may add past an end of a side's grid where its best lr sits.
 EXTEND = 2
+
+
+def add_study_options(parser: argparse.ArgumentParser, steps: int, multipliers_help: str) -> None:
+    """The options every tuned study of third-party models takes: steps, seeds, the lr sweep, validation batches,
+    and how many compare commands (and torch threads a fit) run at a time."""
+    parser.add_argument("--steps", type=int, default=steps, help=f"training steps of every fit (default {steps})")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds at each side's best lr (default 2)")
+    parser.add_argument("--multipliers", default="0.5,1,2", help=multipliers_help)
+    parser.add_argument("--val-batches", type=int, default=10, help="validation batches (default 10)")
+    parser.add_argument("--jobs", type=int, default=2, help="compare commands at a time (default 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per fit (default 1)")
 
 
 def optimizers(muon_lr: float | None, adamw_lr: float, **muon_args: Any) -> dict[str, Any]:
@@ -111,3 +124,19 @@ def extend_edges(configs: Sequence[Path], out: Path, seeds: int, common: Sequenc
             if side.best == lr and seeds > 1:  # the new best: its other seeds (seed 0 is fitted again, the same)
                 compare([config], out, ["--lrs", f"{config.stem}={lr:g}", "--seeds", str(seeds), *common], threads)
     return added
+
+
+def keep(out: Path, name: str, directories: Sequence[str], report: str) -> None:
+    """Keep a study in ``benchmarks/results``: each of its compare ``directories``' ``comparison.md`` and plot in
+    ``results/<name>/<directory>/``, its configs in ``results/<name>/configs/``, and ``report`` as
+    ``results/<name>.md`` and its section of ``RESULTS.md``."""
+    import _report
+
+    kept = _report.RESULTS / name
+    for directory in directories:
+        (kept / directory).mkdir(parents=True, exist_ok=True)
+        for file in ("comparison.md", "comparison.png"):
+            shutil.copy(out / directory / file, kept / directory / file)
+    shutil.copytree(out / "configs", kept / "configs", dirs_exist_ok=True)
+    _report.write_markdown(name, report + "\n")
+    print(f"Wrote {_report.RESULTS / f'{name}.md'} and its section of {_report.RESULTS_MD}")

@@ -23,7 +23,6 @@ import argparse
 import datetime
 import os
 import shlex
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -37,9 +36,7 @@ from third_party import MODELS, TEXT, TRAINER
 from lightning_muon.commands.compare.aggregate import edge_notes, spread
 
 import _common
-import _report
 
-RESULTS = _common.ROOT / "benchmarks" / "results"
 MOE = dict(what="transformers `Qwen3MoeForCausalLM` (8 SwiGLU experts of width 128, top 2, fused `gate_up_proj` "
                 "stacks; no load-balancing loss), 2 layers, width 128",
            model=MODELS["llama"]["model"], args={"family": "qwen3_moe", "n_layer": 2, "n_embd": 128}, data=TEXT,
@@ -105,12 +102,7 @@ def study_rows(name: str, out: Path) -> tuple[list[list[str]], list[str]]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--studies", nargs="+", choices=list(STUDIES), default=list(STUDIES))
-    parser.add_argument("--steps", type=int, default=300, help="training steps of every fit (default 300)")
-    parser.add_argument("--seeds", type=int, default=2, help="seeds at each side's best lr (default 2)")
-    parser.add_argument("--multipliers", default="0.5,1,2", help="the lr sweep around Muon lr 0.02 (default 0.5,1,2)")
-    parser.add_argument("--val-batches", type=int, default=10, help="validation batches (default 10)")
-    parser.add_argument("--jobs", type=int, default=2, help="compare commands at a time (default 2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per fit (default 1)")
+    _tuned.add_study_options(parser, steps=300, multipliers_help="the lr sweep around Muon lr 0.02 (default 0.5,1,2)")
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/muon_variants_models.md and its RESULTS.md section")
     parser.add_argument("--out", default=None, metavar="DIR",
@@ -158,14 +150,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(report, flush=True)
     (out / "muon_variants_models.md").write_text(report + "\n")
     if args.write:
-        keep = RESULTS / "muon_variants_models"
-        for name in args.studies:
-            (keep / name).mkdir(parents=True, exist_ok=True)
-            for file in ("comparison.md", "comparison.png"):
-                shutil.copy(out / name / file, keep / name / file)
-        shutil.copytree(out / "configs", keep / "configs", dirs_exist_ok=True)
-        _report.write_markdown("muon_variants_models", report + "\n")
-        print(f"Wrote {_report.RESULTS / 'muon_variants_models.md'} and its section of {_report.RESULTS_MD}")
+        _tuned.keep(out, "muon_variants_models", args.studies, report)
 
 
 if __name__ == "__main__":

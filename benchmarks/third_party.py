@@ -26,7 +26,6 @@ import argparse
 import datetime
 import os
 import shlex
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -40,7 +39,6 @@ import numpy as np
 from lightning_muon.commands.compare.aggregate import edge_notes, spread
 
 import _common
-import _report
 
 RESULTS = _common.ROOT / "benchmarks" / "results"
 LM = "lightning_muon.examples.third_party.MuonThirdPartyLM"
@@ -156,12 +154,7 @@ def variants_table(out: Path, reference: Path) -> tuple[str, float]:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--steps", type=int, default=150, help="training steps of every fit (default 150)")
-    parser.add_argument("--seeds", type=int, default=2, help="seeds at each side's best lr (default 2)")
-    parser.add_argument("--multipliers", default="0.5,1,2", help="the lr sweep around each config's lr")
-    parser.add_argument("--val-batches", type=int, default=10, help="validation batches (default 10)")
-    parser.add_argument("--jobs", type=int, default=2, help="compare commands at a time (default 2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per fit (default 1)")
+    _tuned.add_study_options(parser, steps=150, multipliers_help="the lr sweep around each config's lr")
     parser.add_argument("--no-extend", action="store_true",
                         help=f"leave a best lr at the end of its grid (default: up to {_tuned.EXTEND} lrs past it)")
     parser.add_argument("--reuse", action="store_true",
@@ -235,14 +228,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(report, flush=True)
     (out / "third_party.md").write_text(report + "\n")
     if args.write:
-        keep = RESULTS / "third_party"
-        for name in [*args.models, *(["gpt2_variants"] if variants else [])]:
-            (keep / name).mkdir(parents=True, exist_ok=True)
-            for file in ("comparison.md", "comparison.png"):
-                shutil.copy(out / name / file, keep / name / file)
-        shutil.copytree(out / "configs", keep / "configs", dirs_exist_ok=True)
-        _report.write_markdown("third_party", report + "\n")
-        print(f"Wrote {_report.RESULTS / 'third_party.md'} and its section of {_report.RESULTS_MD}")
+        _tuned.keep(out, "third_party", [*args.models, *(["gpt2_variants"] if variants else [])], report)
 
 
 if __name__ == "__main__":
