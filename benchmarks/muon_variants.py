@@ -47,11 +47,14 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "normuon": ("NorMuon, `normuon_beta2: 0.95`", {"muon": {"normuon_beta2": 0.95}}),
     "cautious": ("cautious weight decay, `cautious_weight_decay: true`", {"muon": {"cautious_weight_decay": True}}),
     "split": ("fused projections split per block, `split_fused: true`", {"model": {"split_fused": True}}),
+    # The routing sends a router (a stack of gate vectors, one an expert) to AdamW: this side asks what Muon does.
+    "routers": ("the routers on Muon, `muon_params: ['*.mlp.gate.weight']`",
+                {"model": {"muon_params": ["*.mlp.gate.weight"]}}),
 }
 #: Each study: its model and the options its sides take (the first is the baseline).
 STUDIES: dict[str, dict[str, Any]] = {
     "llama": dict(spec=MODELS["llama"], options=["muon", "normuon", "cautious"]),
-    "qwen3_moe": dict(spec=MOE, options=["muon", "normuon", "split"]),
+    "qwen3_moe": dict(spec=MOE, options=["muon", "normuon", "split", "routers"]),
     "gpt2": dict(spec=MODELS["gpt2"], options=["muon", "split"]),
     "litgpt": dict(spec=MODELS["litgpt"], options=["muon", "split"]),
 }
@@ -66,8 +69,9 @@ def config(spec: dict[str, Any], option: str, steps: int) -> dict[str, Any]:
 
 
 def run_study(name: str, out: Path, steps: int, seeds: int, multipliers: str, val_batches: int,
-              threads: int | None) -> list[str]:
-    """Write the study's configs and run ``compare`` on them (then `_tuned.extend_edges`); returns the command."""
+              threads: int | None, reuse: bool = False) -> list[str]:
+    """Write the study's configs and run ``compare`` on them (then `_tuned.extend_edges`); returns the command
+    line (as one run of it, also where ``reuse`` kept the sides already fitted in ``out``: only the others fit)."""
     study = STUDIES[name]
     configs = [_tuned.write_config(out / "configs" / f"{name}_{option}.yaml", config(study["spec"], option, steps),
                                    f"{study['spec']['what']}; {OPTIONS[option][0]}; written by "
@@ -75,8 +79,15 @@ def run_study(name: str, out: Path, steps: int, seeds: int, multipliers: str, va
                for option in study["options"]]
     common = ["--val_points", "6", "--trainer.limit_val_batches", str(val_batches)]
     options = ["--multipliers", multipliers, "--seeds", str(seeds), "--baseline", configs[0].stem, *common]
-    command = _tuned.compare(configs, out / name, options, threads)
-    if _tuned.extend_edges(configs, out / name, seeds, common, threads, label=name):
+    logs = out / name / "lightning_logs"
+    todo = [c for c in configs if not (reuse and (logs / c.stem).is_dir())]
+    command = ["lightning-muon", "compare", *map(_tuned.relative, configs), *options, "--out",
+               _tuned.relative(out / name)]
+    if todo == configs:
+        command = _tuned.compare(configs, out / name, options, threads)
+    elif todo:  # the new sides alone (the baseline among the kept ones)
+        _tuned.compare(todo, out / name, ["--multipliers", multipliers, "--seeds", str(seeds), *common], threads)
+    if _tuned.extend_edges(configs, out / name, seeds, common, threads, label=name) or todo != configs:
         _tuned.compare([], out / name, ["--baseline", configs[0].stem, "--from-logs",
                                         *(str(out / name / "lightning_logs" / c.stem) for c in configs)], threads)
     return command
@@ -103,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--studies", nargs="+", choices=list(STUDIES), default=list(STUDIES))
     _tuned.add_study_options(parser, steps=300, multipliers_help="the lr sweep around Muon lr 0.02 (default 0.5,1,2)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the sides already fitted in --out (fit only the others, then tabulate all)")
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/muon_variants_models.md and its RESULTS.md section")
     parser.add_argument("--out", default=None, metavar="DIR",
@@ -114,7 +127,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"muon_variants: {len(args.studies)} studies, {args.jobs} at a time; output in {out}/<study>/", flush=True)
 
     def one(name: str) -> list[str]:
-        line = run_study(name, out, args.steps, args.seeds, args.multipliers, args.val_batches, args.threads)
+        line = run_study(name, out, args.steps, args.seeds, args.multipliers, args.val_batches, args.threads,
+                         reuse=args.reuse)
         print(f"  {name}: done in {_tuned.seconds(out / name) / 60:.1f} min", flush=True)
         return line
 

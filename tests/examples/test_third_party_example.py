@@ -198,4 +198,7 @@ def test_the_studies_configs_build_through_the_real_cli(tmp_path):
         if name.endswith("_split"):  # the fused projections the routing finds, each split into its blocks
             blocks = [r for r in cli.model.muon_routing().routes if r.blocks]
             assert blocks and cli.model.hparams["split_fused"] is True, name
-    assert len(written) >= 28
+        if name.endswith("_routers"):  # a user pattern puts the routers on Muon
+            routers = {r.optimizer for r in cli.model.muon_routing().routes if r.name.endswith("mlp.gate.weight")}
+            assert routers == {"Muon"}, name
+    assert len(written) >= 29
