@@ -94,13 +94,15 @@ def run_study(name: str, out: Path, steps: int, seeds: int, multipliers: str, va
 
 
 def study_rows(name: str, out: Path) -> tuple[list[list[str]], list[str]]:
-    """One row per side of a study (the baseline first), and its edge notes."""
+    """One row per side of a study (the baseline first), and its edge notes. The per-seed differences pair each
+    seed with the baseline's same seed (the same initialisation and batches, each side at its own best lr)."""
     names = [f"{name}_{option}" for option in STUDIES[name]["options"]]
     _, results, sides = _tuned.tuned(out / name, names, names[0])
     base = results[0]
     rows = []
     for option, result, side in zip(STUDIES[name]["options"], results, sides, strict=True):
-        delta = "–" if result is base else f"{result.curve.final.mean() - base.curve.final.mean():+.4f}"
+        paired = result.curve.final - base.curve.final
+        delta = "–" if result is base else f"{paired.mean():+.4f} ({', '.join(f'{d:+.4f}' for d in paired)})"
         time_ratio = "–" if result is base or base.last_time is None or result.last_time is None else \
             f"{result.last_time / base.last_time:.2f}x"
         lrs = ", ".join(f"{lr:g}" for lr in side.grid)
@@ -135,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with ThreadPoolExecutor(args.jobs) as pool:
         commands = dict(zip(args.studies, pool.map(one, args.studies), strict=True))
     rows, notes = zip(*(study_rows(name, out) for name in args.studies), strict=True)
-    header = ["model", "option", "best Muon lr (swept)", "seeds", "final val loss", "minus plain Muon's",
+    header = ["model", "option", "best Muon lr (swept)", "seeds", "final val loss", "minus plain Muon's (per seed)",
               "train time", "train time / plain Muon's"]
     table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                       + ["| " + " | ".join(r) + " |" for group in rows for r in group])
