@@ -272,6 +272,7 @@ RUN = {
     # the core classes' examples stand alone: they import what they use
     "lightning_muon.optim.muon.Muon#1": (),  # #0 is the update rule, a text block
     "lightning_muon.combined.muon_with_adamw.MuonWithAdamW#0": (),
+    "lightning_muon.optim.adamw.AdamW#0": (),
     "lightning_muon.lightning.finetuning.MuonBackboneFinetuning#0": (),
     "lightning_muon.routing._rules.route_parameters#0": (),
 }

@@ -41,8 +41,8 @@ PUBLIC = {
         "on_exact_path", "param_name", "row_moment_shape", "split_blocks", "update_rule", "uses_gram",
     ],
     "lightning_muon.optim": [
-        "Muon", "ParamDiagnostics", "StrategyInfo", "WarmupCosine", "adjust_lr", "groups", "orthogonality_error",
-        "preview_update", "zeropower_via_newtonschulz",
+        "AdamW", "Muon", "ParamDiagnostics", "StrategyInfo", "WarmupCosine", "adjust_lr", "groups",
+        "orthogonality_error", "preview_update", "zeropower_via_newtonschulz",
     ],
     "lightning_muon.routing": [
         "ADAMW", "Algorithm", "GraphRoles", "Group", "MUON", "Route", "Routing", "Rule", "check_pattern_list",

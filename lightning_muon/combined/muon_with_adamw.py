@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim import AdamW, Optimizer
+from torch.optim import Optimizer
 
 from lightning_muon.combined.state import ADAMW_KEY, ALGORITHMS, MUON_KEY, merge_state_dicts, split_state_dict
 from lightning_muon.optim import Muon
+from lightning_muon.optim.adamw import AdamW
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
 from lightning_muon.routing import Algorithm, Routing, route_parameters
 
@@ -51,20 +52,21 @@ class MuonWithAdamW(Optimizer):
     AdamW has. The defaults are `lightning_muon.MuonMixin`'s, from one table (`lightning_muon.optim.defaults`:
     Muon ``lr=0.02, momentum=0.95, weight_decay=0.01``; AdamW ``lr=3e-4, betas=(0.9, 0.95), weight_decay=0``).
 
-    Inside, a `Muon` and a ``torch.optim.AdamW`` share this optimizer's param-group dicts and ``state``
+    Inside, a `Muon` and a `lightning_muon.optim.AdamW` (``torch.optim.AdamW`` with cautious weight decay as an
+    option) share this optimizer's param-group dicts and ``state``
     (`muon` and `adamw` return them: ``opt.muon.record_diagnostics()``, ``opt.muon.effective_lr(p)``).
 
     The keyword arguments ``lr``, ``weight_decay``, ``momentum``, ``nesterov``, ``ns_coefficients``, ``eps``,
     ``ns_steps``, ``adjust_lr_fn``, ``ns_dtype``, ``ns_batch_bytes``, ``ns_gram_aspect``, ``split_ns``,
     ``process_group``, ``device_mesh``, ``exchange_round_bytes``,
     ``normuon_beta2`` (NorMuon) and ``cautious_weight_decay`` are the Muon groups' settings and `Muon`'s own
-    (see `lightning_muon.Muon`; cautious weight decay is Muon's only: the AdamW inside is torch's);
-    ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``,
-    ``adamw_amsgrad``, ``foreach`` and ``fused`` the AdamW groups' (``torch.optim.AdamW``'s ``lr``, ``betas``,
-    ``eps``, ``weight_decay``, ``amsgrad``, ``foreach``, ``fused``); ``muon_params``, ``adamw_params``,
-    ``split_fused`` and ``matrix_blocks`` are routing settings (only with a model: see
-    `lightning_muon.route_parameters`; ``split_fused=True`` orthogonalises each block of a fused projection on
-    its own).
+    (see `lightning_muon.Muon`); ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``,
+    ``adamw_amsgrad``, ``adamw_cautious_weight_decay``, ``foreach`` and ``fused`` the AdamW groups'
+    (``torch.optim.AdamW``'s ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``foreach``, ``fused``,
+    and `lightning_muon.optim.AdamW`'s ``cautious_weight_decay``, off by default: then it is torch's AdamW);
+    ``muon_params``, ``adamw_params``, ``split_fused`` and ``matrix_blocks`` are routing settings (only with a
+    model: see `lightning_muon.route_parameters`; ``split_fused=True`` orthogonalises each block of a fused
+    projection on its own).
 
     Examples:
         One optimizer over the whole model, routed, for code that takes one (automatic optimization,
@@ -114,6 +116,7 @@ class MuonWithAdamW(Optimizer):
         adamw_eps: float = PAIRED_ADAMW.eps,
         adamw_weight_decay: float = PAIRED_ADAMW.weight_decay,
         adamw_amsgrad: bool = PAIRED_ADAMW.amsgrad,
+        adamw_cautious_weight_decay: bool = False,
         foreach: bool | None = None,
         fused: bool | None = None,
         ns_dtype: torch.dtype | str | None = PAIRED_MUON.ns_dtype,
@@ -142,6 +145,7 @@ class MuonWithAdamW(Optimizer):
             ADAMW_KEY: {
                 "lr": adamw_lr, "betas": adamw_betas, "eps": adamw_eps, "weight_decay": adamw_weight_decay,
                 "amsgrad": adamw_amsgrad, "foreach": foreach, "fused": fused,
+                "cautious_weight_decay": adamw_cautious_weight_decay,
             },
         }
         #: The inner optimizers, built from the first group of their algorithm.

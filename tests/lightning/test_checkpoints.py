@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon import Muon, WarmupCosine
 from lightning_muon.lightning import _checkpoint
+from lightning_muon.optim import AdamW
 
 from helpers import (
     ADAMW_NAMES,
@@ -100,9 +101,11 @@ def test_load_from_checkpoint_rebuilds_the_same_configuration(tmp_path, two_epoc
     assert [type(s) for s in schedulers] == [WarmupCosine] * 2 and all(s.warmup_steps == 2 for s in schedulers)
 
 
-#: Every update-rule option of issue 41 at once: NorMuon and cautious weight decay on the Muon factory, and the
-#: hidden 24x16 matrix split into row blocks of 16 and 8 (as a fused projection's).
+#: Every update-rule option of issue 41 at once: NorMuon and cautious weight decay on the Muon factory, cautious
+#: weight decay on the AdamW half, and the hidden 24x16 matrix split into row blocks of 16 and 8 (as a fused
+#: projection's).
 OPTIONS = {"muon": functools.partial(Muon, lr=0.02, weight_decay=0.01, normuon_beta2=0.95, cautious_weight_decay=True),
+           "adamw": functools.partial(AdamW, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, cautious_weight_decay=True),
            "matrix_blocks": {"net.2.weight": [16, 8]}}
 
 
@@ -118,6 +121,8 @@ def test_resume_with_normuon_cautious_decay_and_blocks_reproduces_the_uninterrup
     (group,) = checkpoint["optimizer_states"][0]["param_groups"]
     assert (group["normuon_beta2"], group["cautious_weight_decay"], group["matrix_blocks"]) == (0.95, True, [[16, 8]])
     assert checkpoint["hyper_parameters"]["matrix_blocks"] == {"net.2.weight": [16, 8]}
+    assert checkpoint["hyper_parameters"]["adamw"]["class_path"] == "lightning_muon.optim.adamw.AdamW"
+    assert all(g["cautious_weight_decay"] for g in checkpoint["optimizer_states"][1]["param_groups"])
 
     resumed = MuonRegression(lr_scheduler=SCHEDULE, **OPTIONS)
     make_trainer(tmp_path / "resumed", max_epochs=2).fit(resumed, ckpt_path=tmp_path / "epoch=0.ckpt")

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 
 from lightning_muon import Muon, MuonWithAdamW, route_parameters
 from lightning_muon.combined import merge_state_dicts, split_state_dict
+from lightning_muon.optim import AdamW
 
 MUON_KW = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
 ADAMW_KW = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.05}
@@ -113,7 +114,7 @@ def test_from_model_routes_as_route_parameters_and_shares_groups_with_the_inner_
     }
     assert opt.param_groups[0]["param_names"] == ["experts", "conv.weight", "hidden.weight"]
     assert opt.param_groups[0]["matrix_layouts"] == ["stack", "flatten", "flatten"]
-    assert isinstance(opt.muon, Muon) and type(opt.adamw) is torch.optim.AdamW
+    assert isinstance(opt.muon, Muon) and type(opt.adamw) is AdamW and isinstance(opt.adamw, torch.optim.AdamW)
     assert [id(g) for g in opt.muon.param_groups] == [id(g) for g in opt.param_groups if g["algorithm"] == "muon"]
     assert [id(g) for g in opt.adamw.param_groups] == [id(g) for g in opt.param_groups if g["algorithm"] == "adamw"]
     assert opt.muon.state is opt.state and opt.adamw.state is opt.state

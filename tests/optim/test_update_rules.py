@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_muon import Muon, MuonWithAdamW
-from lightning_muon.optim import _update, groups
+from lightning_muon.optim import AdamW, _update, groups
 from lightning_muon.optim.newton_schulz import gram_newton_schulz, zeropower_via_newtonschulz
 
 from helpers import RANKS_START_METHOD
@@ -312,6 +312,67 @@ def test_cautious_weight_decay_in_a_step_spares_the_entries_the_gradient_grows()
     plain, _ = _muon_steps(w, [g], ns_dtype=torch.float32)
     spared = torch.tensor([[0.0, 1.0, 1.0, 0.0]])
     torch.testing.assert_close(cautious - plain, LR * WD * w * spared, rtol=0, atol=1e-7)
+
+
+def test_cautious_adamw_on_a_hand_computed_step():
+    """The AdamW half: an entry decays only where its update (the sign of the first moment after this step) has
+    its sign, as torch's AdamW decays it; the step itself is torch's."""
+    w = torch.tensor([[2.0, -2.0], [3.0, -3.0]])
+    g = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])  # the update's sign: agrees with w at (0, 0) and (1, 1)
+    p = torch.nn.Parameter(w.clone())
+    p.grad = g.clone()
+    AdamW([p], lr=0.1, weight_decay=0.5, cautious_weight_decay=True).step()
+    decayed = torch.nn.Parameter(torch.tensor([[2.0 * (1 - 0.05), -2.0], [3.0, -3.0 * (1 - 0.05)]]))
+    decayed.grad = g.clone()
+    torch.optim.AdamW([decayed], lr=0.1, weight_decay=0.0).step()
+    assert torch.equal(p.detach(), decayed.detach())
+
+
+def test_cautious_adamw_off_is_torchs_adamw_bit_for_bit_and_on_differs():
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(6, 5, generator=generator)
+    grads = [torch.randn(6, 5, generator=generator) for _ in range(STEPS)]
+
+    def run(make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> torch.Tensor:
+        p = torch.nn.Parameter(start.clone())
+        optimizer = make([p])
+        for g in grads:
+            p.grad = g.clone()
+            optimizer.step()
+        return p.detach()
+
+    settings = {"lr": 0.01, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    torchs = run(lambda ps: torch.optim.AdamW(ps, **settings))
+    assert torch.equal(run(lambda ps: AdamW(ps, **settings)), torchs)
+    cautious = run(lambda ps: AdamW(ps, **settings, cautious_weight_decay=True))
+    assert not torch.equal(cautious, torchs)
+    # decaying less: every entry ends at least as far from zero as under full decay, some farther
+    assert bool((cautious.abs() >= torchs.abs() - 1e-6).all()) and bool((cautious.abs() > torchs.abs()).any())
+
+
+def test_cautious_adamw_keeps_its_setting_in_state_dicts_and_refuses_what_it_cannot_do():
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer = AdamW([p], weight_decay=0.1, cautious_weight_decay=True)
+    fresh = AdamW([torch.nn.Parameter(torch.zeros(3))])
+    fresh.load_state_dict(optimizer.state_dict())
+    assert fresh.param_groups[0]["cautious_weight_decay"] is True
+    with pytest.raises(ValueError, match=r"Invalid cautious_weight_decay: 'yes' \(must be True or False\)"):
+        AdamW([p], cautious_weight_decay="yes")
+    with pytest.raises(ValueError, match="cautious_weight_decay does not support maximize=True"):
+        AdamW([p], cautious_weight_decay=True, maximize=True)
+    with pytest.raises(ValueError, match=r"cautious_weight_decay does not support complex parameters \(a complex"):
+        AdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))], cautious_weight_decay=True)
+
+
+def test_muon_with_adamw_takes_cautious_decay_on_each_half():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 10))
+    both = MuonWithAdamW(model, cautious_weight_decay=True, adamw_weight_decay=0.1, adamw_cautious_weight_decay=True)
+    assert type(both.adamw) is AdamW
+    assert [g["cautious_weight_decay"] for g in both.param_groups] == [True] * len(both.param_groups)
+    plain = MuonWithAdamW(model).adamw.param_groups[0]  # off: torch's AdamW's groups, key for key
+    torchs = torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).param_groups[0]
+    assert plain.keys() == torchs.keys() | {"algorithm", "name", "param_names"}
 
 
 def test_off_by_default_and_the_paired_defaults_stay_plain_muon():
