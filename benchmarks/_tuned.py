@@ -24,8 +24,9 @@ from lightning_muon.commands.compare.sweep import edge
 from lightning_muon.commands.compare.tuning import load_side
 
 #: Every tuned study's Muon settings beyond its lr: the shipped configs' momentum and weight decay, and fp32
-#: Newton-Schulz (on CPUs without native bf16, as AVX2 ones, bf16 matmuls are emulated: a Muon step of GPT-2's
-#: 128-wide matrices took 421 ms in bf16 against 22 ms in fp32 on this benchmark's machine, one thread).
+#: Newton-Schulz (``third_party.py``, ``finetune.py``: measured on an AVX2 machine, where bf16 matmuls are emulated
+#: and a Muon step of GPT-2's 128-wide matrices took 421 ms in bf16 against 22 ms in fp32, one thread; kept so their
+#: tables stay comparable). ``muon_variants.py`` overrides it with the library's default (``ns_dtype=None``).
 MUON_ARGS = {"momentum": 0.95, "weight_decay": 0.01, "ns_dtype": "float32"}
 ADAMW_ARGS = {"betas": [0.9, 0.95], "weight_decay": 0.0}
 #: How many lrs `extend_edges` may add past an end of a side's grid where its best lr sits.
