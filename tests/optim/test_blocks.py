@@ -96,14 +96,9 @@ def test_blocks_on_a_sharded_parameter_are_refused(tmp_path):
         dist.destroy_process_group()
 
 
-def _ddp_worker(rank: int, init_file: str, out: str) -> None:
-    """Every case's fused parameter, split into blocks, stepped by a Muon that splits its Newton-Schulz work over
-    two DDP ranks (the same gradients on both, as after DDP's all-reduce)."""
-    import os
-
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+def _two_block_steps() -> tuple[list[torch.nn.Parameter], Muon]:
+    """Every case's fused parameter, split into blocks, two steps on seeded gradients (the same on every rank):
+    the parameters and the optimizer."""
     g = torch.Generator().manual_seed(0)
     params, groups = [], []
     for layout, shape, sizes, _ in CASES.values():
@@ -114,6 +109,18 @@ def _ddp_worker(rank: int, init_file: str, out: str) -> None:
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
+    return params, opt
+
+
+def _ddp_worker(rank: int, init_file: str, out: str) -> None:
+    """Every case's fused parameter, split into blocks, stepped by a Muon that splits its Newton-Schulz work over
+    two DDP ranks (the same gradients on both, as after DDP's all-reduce)."""
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    params, opt = _two_block_steps()
     torch.save({"params": [p.detach() for p in params], "path": opt.strategy.description,
                 "sent": opt.last_exchange_bytes}, os.path.join(out, f"rank{rank}.pt"))
     dist.barrier()
@@ -129,16 +136,7 @@ def test_blocks_under_ddp_split_equal_one_process(tmp_path):
     mp.start_processes(_ddp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
                        start_method=RANKS_START_METHOD)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    g = torch.Generator().manual_seed(0)
-    params, groups = [], []
-    for layout, shape, sizes, _ in CASES.values():
-        params.append(torch.nn.Parameter(torch.randn(shape, generator=g)))
-        groups.append({"params": [params[-1]], "matrix_layouts": [layout], "matrix_blocks": [sizes]})
-    alone = Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
-    for _ in range(2):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g)
-        alone.step()
+    params, _ = _two_block_steps()  # one process
     for r in ranks:
         assert r["path"].startswith("Newton-Schulz split over 2 DDP ranks (") and r["sent"] > 0
         torch.testing.assert_close(r["params"], [p.detach() for p in params], atol=1e-6, rtol=0)

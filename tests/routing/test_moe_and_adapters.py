@@ -91,33 +91,30 @@ ENDS = {
     "model.norm.weight": NORM,
 }
 
+#: A router and its experts stored ``E x out x in`` (Mixtral's, Qwen3-MoE's and Qwen2-MoE's layout).
+ROUTED_EXPERTS = {
+    f"{LAYER}mlp.gate.weight": ROUTER,
+    f"{LAYER}mlp.experts.gate_up_proj": (MUON, "hidden", "stack", Rule.SHAPE,
+                                         "4 stacked matrices 48x32, each orthogonalised"),
+    f"{LAYER}mlp.experts.down_proj": (MUON, "hidden", "stack", Rule.SHAPE,
+                                      "4 stacked matrices 32x24, each orthogonalised"),
+}
+
 EXPECTED: dict[str, dict[str, Place]] = {
     "mixtral": {
         **ENDS, **ATTENTION,
-        f"{LAYER}mlp.gate.weight": ROUTER,
-        f"{LAYER}mlp.experts.gate_up_proj": (MUON, "hidden", "stack", Rule.SHAPE,
-                                             "4 stacked matrices 48x32, each orthogonalised"),
-        f"{LAYER}mlp.experts.down_proj": (MUON, "hidden", "stack", Rule.SHAPE,
-                                          "4 stacked matrices 32x24, each orthogonalised"),
+        **ROUTED_EXPERTS,
     },
     "qwen3_moe": {
         **ENDS, **ATTENTION,
         f"{LAYER}self_attn.q_norm.weight": NORM,
         f"{LAYER}self_attn.k_norm.weight": NORM,
-        f"{LAYER}mlp.gate.weight": ROUTER,
-        f"{LAYER}mlp.experts.gate_up_proj": (MUON, "hidden", "stack", Rule.SHAPE,
-                                             "4 stacked matrices 48x32, each orthogonalised"),
-        f"{LAYER}mlp.experts.down_proj": (MUON, "hidden", "stack", Rule.SHAPE,
-                                          "4 stacked matrices 32x24, each orthogonalised"),
+        **ROUTED_EXPERTS,
     },
     "qwen2_moe": {
         **ENDS, **ATTENTION,
         **{f"{LAYER}self_attn.{p}_proj.bias": BIAS for p in "qkv"},
-        f"{LAYER}mlp.gate.weight": ROUTER,
-        f"{LAYER}mlp.experts.gate_up_proj": (MUON, "hidden", "stack", Rule.SHAPE,
-                                             "4 stacked matrices 48x32, each orthogonalised"),
-        f"{LAYER}mlp.experts.down_proj": (MUON, "hidden", "stack", Rule.SHAPE,
-                                          "4 stacked matrices 32x24, each orthogonalised"),
+        **ROUTED_EXPERTS,
         **{f"{LAYER}mlp.shared_expert.{p}_proj.weight": HIDDEN for p in ("gate", "up", "down")},
         f"{LAYER}mlp.shared_expert_gate.weight": (ADAMW, "norms_and_biases", "flatten", Rule.STRUCTURE,
                                                   "gate beside the experts: a vector (1 row)"),
