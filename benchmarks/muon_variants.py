@@ -78,19 +78,17 @@ def run_study(name: str, out: Path, steps: int, seeds: int, multipliers: str, va
                                    "benchmarks/muon_variants.py")
                for option in study["options"]]
     common = ["--val_points", "6", "--trainer.limit_val_batches", str(val_batches)]
-    options = ["--multipliers", multipliers, "--seeds", str(seeds), "--baseline", configs[0].stem, *common]
+    sweep = ["--multipliers", multipliers, "--seeds", str(seeds)]
+    baseline = ["--baseline", configs[0].stem]
     logs = out / name / "lightning_logs"
     todo = [c for c in configs if not (reuse and (logs / c.stem).is_dir())]
-    command = ["lightning-muon", "compare", *map(_tuned.relative, configs), *options, "--out",
-               _tuned.relative(out / name)]
-    if todo == configs:
-        command = _tuned.compare(configs, out / name, options, threads)
-    elif todo:  # the new sides alone (the baseline among the kept ones)
-        _tuned.compare(todo, out / name, ["--multipliers", multipliers, "--seeds", str(seeds), *common], threads)
+    if todo:  # the baseline named only where it is among the sides fitted (else it is a kept one)
+        _tuned.compare(todo, out / name, [*sweep, *(baseline if todo[0] == configs[0] else []), *common], threads)
     if _tuned.extend_edges(configs, out / name, seeds, common, threads, label=name) or todo != configs:
-        _tuned.compare([], out / name, ["--baseline", configs[0].stem, "--from-logs",
-                                        *(str(out / name / "lightning_logs" / c.stem) for c in configs)], threads)
-    return command
+        _tuned.compare([], out / name, [*baseline, "--from-logs", *(str(logs / c.stem) for c in configs)], threads)
+    # as one run of the command would be typed
+    return ["lightning-muon", "compare", *map(_tuned.relative, configs), *sweep, *baseline, *common, "--out",
+            _tuned.relative(out / name)]
 
 
 def study_rows(name: str, out: Path) -> tuple[list[list[str]], list[str]]:

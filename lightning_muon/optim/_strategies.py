@@ -329,36 +329,35 @@ class ShardedStep(DistributedStep):
         position)``: a neuron's mean square needs its whole row, and the rescale the whole matrix, so each owner
         computes them on the whole results it holds, and one all-reduce (the others adding zeros: exact) gives
         every rank all of them. Empty when no matrix of the round is NorMuon's (no exchange)."""
-        spans, total = [], 0
+        spans, total = [], 0  # (job, its first value in the exchange, its parameters' part of the bucket)
         for j, job in enumerate(jobs):
-            bucket = buckets[job.bucket]
-            if bucket.group.get("normuon_beta2") is None:
-                continue
-            sizes = [(v.numel(), v.numel() // v.shape[-1] // v.shape[-2]) for v in bucket.subset(job.indices).moments]
-            spans.append((j, total, sizes))
-            total += sum(a + b for a, b in sizes)
+            if buckets[job.bucket].group.get("normuon_beta2") is not None:
+                part = buckets[job.bucket].subset(job.indices)
+                spans.append((j, total, part))
+                total += sum(v.numel() + _matrices(v) for v in part.moments)
         if not spans:
             return {}
         flat = torch.zeros(total, dtype=torch.float32, device=device)
-        for j, start, _ in spans:
+        for j, start, part in spans:
             if j in results:
-                job = jobs[j]
-                part = buckets[job.bucket].subset(job.indices)
-                whole = results[j].reshape(len(job.indices), part.per_param, *part.shape).unbind(0)
-                pieces = [t.flatten() for pair in _update.normuon_statistics(part, list(whole)) for t in pair]
-                values = torch.cat(pieces)
+                whole = list(results[j].reshape(len(part.params), part.per_param, *part.shape).unbind(0))
+                values = torch.cat([t.flatten() for pair in _update.normuon_statistics(part, whole) for t in pair])
                 flat[start : start + len(values)] = values
         dist.all_reduce(flat, group=self.world.group)
         statistics = {}
-        for j, start, sizes in spans:
-            job = jobs[j]
-            for i, moment, (neurons, matrices) in zip(job.indices, buckets[job.bucket].subset(job.indices).moments,
-                                                      sizes, strict=True):
+        for j, start, part in spans:
+            for i, moment in zip(jobs[j].indices, part.moments, strict=True):
+                neurons, matrices = moment.numel(), _matrices(moment)
                 mean_square = flat[start : start + neurons].reshape(moment.shape)
                 rescale = flat[start + neurons : start + neurons + matrices].reshape(*moment.shape[:-2], 1, 1)
-                statistics[job.bucket, i] = (mean_square, rescale)
+                statistics[jobs[j].bucket, i] = (mean_square, rescale)
                 start += neurons + matrices
         return statistics
+
+
+def _matrices(moment: Tensor) -> int:
+    """How many matrices a NorMuon second moment (`lightning_muon.optim.groups.row_moment_shape`) is of."""
+    return moment.numel() // (moment.shape[-2] * moment.shape[-1])
 
 
 def _chosen_rows(buckets: Sequence[Bucket], diagnose: Chooser) -> dict[tuple[int, int], int]:

@@ -74,11 +74,10 @@ class AdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         cautious = [g for g in self.param_groups if g.get("cautious_weight_decay") and g["weight_decay"] != 0]
-        for group in cautious:
-            decay_cautiously(group, self.state)
         decays = [group["weight_decay"] for group in cautious]
         for group in cautious:
-            group["weight_decay"] = 0.0
+            decay_cautiously(group, self.state)
+            group["weight_decay"] = 0.0  # torch's step: no decay of its own
         try:
             super().step()
         finally:
