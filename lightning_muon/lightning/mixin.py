@@ -71,7 +71,9 @@ class MuonMixin(_LightningModuleBase):
 
     Put it first in the bases: ``class MyModel(MuonMixin, MyExistingModule)``.
     Its keyword-only arguments are the whole configuration; every other
-    argument goes to the wrapped module's constructor.
+    argument, positional or keyword, goes to the wrapped module's constructor
+    (``MuonModel(64, 3, gradient_clip_val=1.0)``) and is saved as the parent's
+    hyperparameters exactly as without the mixin.
 
     Args:
         muon: factory of the Muon optimizer, called with the routed param
@@ -122,7 +124,7 @@ class MuonMixin(_LightningModuleBase):
 
     def __init__(
         self,
-        *,
+        *args: Any,
         muon: OptimizerCallable | None = DEFAULT_MUON,  # type: ignore[assignment]
         adamw: OptimizerCallable = DEFAULT_ADAMW,  # type: ignore[assignment]
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -146,7 +148,7 @@ class MuonMixin(_LightningModuleBase):
         # save_hyperparameters() collects these frames' locals, and checkpoints must load with weights_only.
         muon, adamw, lr_scheduler = config.muon, config.adamw, config.lr_scheduler
         muon_params, adamw_params = list(config.muon_params), list(config.adamw_params)
-        super().__init__(**kwargs)
+        super().__init__(*args, **kwargs)
         if not self.automatic_optimization:
             raise _checks.by_hand(self, f"{type(self).__name__}'s parent sets automatic_optimization = False")
         self.automatic_optimization = False
@@ -157,7 +159,7 @@ class MuonMixin(_LightningModuleBase):
         self._muon_pair: OptimizerPair | None = None
         #: What the first training batch showed (None until one is seen); kept in checkpoints.
         self._muon_roles: GraphRoles | None = None
-        save_hyperparameters(self, config, MuonMixin)
+        save_hyperparameters(self, config, MuonMixin, args)
 
     # ------------------------------------------------ read-only surface (callbacks, commands)
 
