@@ -7,7 +7,7 @@ without the mixin and Lightning's own (what `MuonMixin` passes).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from lightning.pytorch import LightningModule
@@ -15,7 +15,9 @@ from lightning.pytorch.callbacks import LearningRateFinder, StochasticWeightAver
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_muon.lightning import _compat
 
@@ -44,6 +46,29 @@ TOGGLE_REFUSED = (
 def by_hand(module: LightningModule, where: str) -> MisconfigurationException:
     """The refusal of a module that optimizes by hand, found at run time (``where`` says how)."""
     return MisconfigurationException(BY_HAND.format(where=where, cls=type(module).__name__))
+
+
+def refuse_by_hand(module: LightningModule, optimizers: Iterable[Optimizer],
+                   inside: Callable[[], bool]) -> list[RemovableHandle]:
+    """While ``inside()`` (the parent's ``training_step`` runs, where the mixin owns the update), make a step of any
+    of ``optimizers`` raise before it moves a weight (a step pre-hook), and a backward that accumulates into their
+    parameters' gradients raise as it does (``loss.backward()`` by hand would add a second gradient to the loop's
+    own). Both hooks do nothing otherwise (the update loop runs them). Returns their handles."""
+
+    def refuse_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if inside():
+            raise by_hand(module, "training_step steps an optimizer itself (opt.step())")
+
+    def refuse_backward(param: Tensor) -> None:
+        if inside():
+            raise by_hand(module, "training_step runs a backward itself (loss.backward())")
+
+    handles = []
+    for optimizer in optimizers:
+        handles.append(optimizer.register_step_pre_hook(refuse_step))
+        for group in optimizer.param_groups:
+            handles += [p.register_post_accumulate_grad_hook(refuse_backward) for p in group["params"]]
+    return handles
 
 
 def check_callbacks(module: LightningModule, muon_enabled: bool) -> None:

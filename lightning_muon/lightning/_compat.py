@@ -125,6 +125,13 @@ def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
     return trainer.callbacks  # type: ignore[attr-defined]
 
 
+def drop_callback(trainer: pl.Trainer, callback: Callback) -> None:
+    """Take ``callback`` (one the module's ``configure_callbacks`` gave the fit) out of ``trainer.callbacks``, so the
+    Trainer holds what it was built with again. A new list: Lightning may be iterating the old one, calling a hook
+    of each callback (``on_exception``)."""
+    trainer.callbacks = [c for c in trainer_callbacks(trainer) if c is not callback]  # type: ignore[attr-defined]
+
+
 @dataclass
 class TrainerFlags:
     """What the Trainer was given for the update that manual optimization makes its own: its values, taken
@@ -192,17 +199,33 @@ def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
     return module._trainer
 
 
-def take_compiled_training_step(module: pl.LightningModule) -> Callable[[Callable[..., Any]], Any] | None:
+@dataclass(frozen=True)
+class CompiledStep:
+    """What `take_compiled_training_step` took off a module compiled with ``torch.compile(model)``."""
+
+    #: The compiler (Lightning's ``dynamo_ctx``), for the parent's ``training_step`` alone.
+    compiler: Callable[[Callable[..., Any]], Any]
+    #: The compiled ``training_step`` Lightning gave the module (``None``: it had none), given back at the fit's end.
+    step: Callable[..., Any] | None
+
+
+def take_compiled_training_step(module: pl.LightningModule) -> CompiledStep | None:
     """``trainer.fit(torch.compile(model))``: Lightning (``from_compiled``) gives the module a compiled
     ``training_step``, which would compile MuonMixin's whole update (backward, optimizer steps, the first batch's
-    trace) into the region. Give the module its class's ``training_step`` back and return the compiler (the
-    ``dynamo_ctx`` Lightning keeps in ``_compiler_ctx``) for the parent's step alone; ``None`` when the module was
-    not compiled."""
+    trace) into the region. Give the module its class's ``training_step`` back for the fit and return the compiler
+    (the ``dynamo_ctx`` Lightning keeps in ``_compiler_ctx``) for the parent's step alone, with the compiled step
+    taken (`give_back_compiled_training_step`); ``None`` when the module was not compiled."""
     context = getattr(module, "_compiler_ctx", None)
     if not context or context.get("compiler") != "dynamo":
         return None
-    vars(module).pop("training_step", None)
-    return context["dynamo_ctx"]
+    return CompiledStep(context["dynamo_ctx"], vars(module).pop("training_step", None))
+
+
+def give_back_compiled_training_step(module: pl.LightningModule, taken: CompiledStep) -> None:
+    """Give the module the compiled ``training_step`` `take_compiled_training_step` took, as Lightning left it
+    (``lightning.pytorch.utilities.compile.to_uncompiled`` reads it there)."""
+    if taken.step is not None and "training_step" not in vars(module):
+        module.training_step = taken.step  # type: ignore[method-assign]
 
 
 def store_finetuning_groups(callback: BaseFinetuning, module: pl.LightningModule, optimizers: list[Optimizer]) -> None:

@@ -13,8 +13,11 @@ checked by `lightning_muon.lightning._first_batch`, applied by the pair), and, f
 ``trainer.fit(torch.compile(model))``, compiles the parent's ``training_step`` alone (`compiler`), never the
 update around it.
 
-The mixin creates a `FitState` in ``configure_callbacks`` (the first hook of a fit) and drops it in
-``teardown``; its methods are named after the hooks that call them.
+The mixin creates a `FitState` in ``configure_callbacks`` (the first hook of a fit), which also gives the fit its
+own callback, `FitEnd`: Lightning calls the module's ``teardown`` only when a fit ends normally, and the callbacks'
+``on_exception`` when it ends by an exception or an interrupt, so the callback ends the fit on either exit, giving
+back everything it borrowed (`FitState.teardown`). The state's other methods are named after the hooks that call
+them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningRateFinder
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, LearningRateFinder
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -53,6 +56,23 @@ class Accumulation:
         return self.batches if self.scheduler is None else self.scheduler.get_accumulate_grad_batches(epoch)
 
 
+class FitEnd(Callback):
+    """The callback a `MuonMixin` fit adds to its Trainer (through the module's ``configure_callbacks``): it ends the
+    fit (``end``: give back what it borrowed, drop its state) on whichever exit it takes. Lightning calls the
+    callbacks' ``teardown`` when a fit ends normally (or a tuner ends it), and their ``on_exception`` when it ends
+    by an exception or an interrupt (a ``KeyboardInterrupt`` included), where it calls no hook of the module.
+    ``end`` takes the callback out of the Trainer's callbacks."""
+
+    def __init__(self, end: Callable[[], None]) -> None:
+        self._end = end
+
+    def teardown(self, trainer: pl.Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._end()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._end()
+
+
 class FitState:
     """One fit's settings, what it borrowed from the Trainer, and its optimizers.
 
@@ -73,8 +93,13 @@ class FitState:
         self.monitors: dict[int, tuple[str, bool]] = {}
         #: ``torch.compile(model)``'s compiler, for the parent's ``training_step`` (``None``: not compiled).
         self.compiler: Callable[[Callable[..., Any]], Any] | None = None
+        #: What ``torch.compile(model)`` gave the module and the fit took off it (``None``: not compiled).
+        self._compiled: _compat.CompiledStep | None = None
         #: The strategy whose ``load_checkpoint`` the fit wraps, and its own before (``None``: its class's).
         self._wrapped_load: tuple[Any, Callable[..., Any] | None] | None = None
+        #: The fit's Trainer (what it borrowed is given back there) and its callback there (`FitEnd`).
+        self.trainer: pl.Trainer | None = None
+        self.callback: FitEnd | None = None
         #: Whether both optimizers are built even where the start routes nothing to one (a finetuning callback
         #: will unfreeze parameters for it).
         self.keep_both = False
@@ -85,12 +110,13 @@ class FitState:
         self.resumed: dict[str, Any] | None = None
 
     @classmethod
-    def start(cls, module: LightningModule, config: MuonConfig,
-              load_record: Callable[[dict[str, Any]], None]) -> FitState:
+    def start(cls, module: LightningModule, config: MuonConfig, load_record: Callable[[dict[str, Any]], None],
+              callback: FitEnd) -> FitState:
         """From the mixin's ``configure_callbacks``, before Lightning checks the fit: refuse what cannot work, take
         the Trainer's clipping and accumulation flags (and ``GradientAccumulationScheduler``) for the mixin and
         resolve them against ``config``; make the strategy's checkpoint loading name unreadable files and give a
-        distributed checkpoint's record to ``load_record`` first; take ``torch.compile``'s compiler off the step."""
+        distributed checkpoint's record to ``load_record`` first; take ``torch.compile``'s compiler off the step.
+        ``callback`` (which the mixin gives Lightning) ends the fit, however it ends, and leaves the Trainer then."""
         trainer = module.trainer
         _checks.check_callbacks(module, config.muon_enabled)
         flags = _compat.take_trainer_flags(trainer)
@@ -99,8 +125,10 @@ class FitState:
         except Exception:
             _compat.restore_trainer_flags(trainer, flags)
             raise
+        fit.trainer, fit.callback = trainer, callback
         fit._wrap_load(trainer.strategy, load_record)
-        fit.compiler = _compat.take_compiled_training_step(module)
+        fit._compiled = _compat.take_compiled_training_step(module)
+        fit.compiler = fit._compiled.compiler if fit._compiled is not None else None
         return fit
 
     def _wrap_load(self, strategy: Any, load_record: Callable[[dict[str, Any]], None]) -> None:
@@ -191,10 +219,13 @@ class FitState:
             self.pair.restore(trainer, saved, routing)
 
     def teardown(self, module: LightningModule, config: MuonConfig) -> MuonConfig:
-        """Give the Trainer its flags and the strategy its ``load_checkpoint`` back; return ``config`` for the
+        """The end of the fit, however it ended (`FitEnd`): give the Trainer its flags and callbacks, the strategy
+        its ``load_checkpoint`` and the module its compiled ``training_step`` back; return ``config`` for the
         next fit: with AdamW's lr set to ``lr_find``'s suggestion where this fit ran one that writes its
         suggestion back, on the ``muon=None`` baseline (the saved hyperparameters say so too)."""
-        trainer = module.trainer
+        trainer = self.trainer if self.trainer is not None else module.trainer
+        if self.callback is not None:
+            _compat.drop_callback(trainer, self.callback)
         _compat.restore_trainer_flags(trainer, self.trainer_flags)
         if self._wrapped_load is not None:
             strategy, own = self._wrapped_load
@@ -202,6 +233,8 @@ class FitState:
                 strategy.load_checkpoint = own
             else:
                 vars(strategy).pop("load_checkpoint", None)
+        if self._compiled is not None:
+            _compat.give_back_compiled_training_step(module, self._compiled)
         finders = _compat.lightning_classes(LearningRateFinder)
         finder = next((c for c in _compat.trainer_callbacks(trainer) if isinstance(c, finders)), None)
         if finder is None or finder.optimal_lr is None or not _compat.lr_finder_updates_attr(finder):

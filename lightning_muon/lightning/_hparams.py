@@ -19,16 +19,19 @@ _log = logging.getLogger("lightning_muon")
 
 
 
-def save_hyperparameters(module: LightningModule, config: MuonConfig, mixin: type) -> None:
+def save_hyperparameters(module: LightningModule, config: MuonConfig, mixin: type, args: tuple = ()) -> None:
     """Called from the mixin's ``__init__`` after the parent's: what the parent saved, exactly as it saved it
-    (objects included: its checkpoints load as they would without the mixin), with the mixin's own settings
-    beside it as plain data. When the parent saved nothing, the constructor's arguments, those forwarded to the
-    parent included, where they are plain data (or LightningCLI's config, when it built the model)."""
+    (objects included: its checkpoints load as they would without the mixin; positional arguments under the
+    names of the parent's parameters, as its own ``save_hyperparameters()`` names them), with the mixin's own
+    settings beside it as plain data. When the parent saved nothing, the constructor's arguments, those forwarded
+    to the parent included (``args``, the positional ones, by the name the parent's signature gives them), where
+    they are plain data (or LightningCLI's config, when it built the model)."""
     saved_by_parent = dict(module.hparams)
     dropped: list[str] = []
     if not saved_by_parent:  # the parent chose nothing (if it did, its `ignore=` choices stand)
-        module.save_hyperparameters()  # Lightning reads the __init__ frames above this one
-        saved_by_parent, dropped = plain_data(dict(module.hparams))
+        module.save_hyperparameters()  # Lightning reads the __init__ frames above this one (keywords only here)
+        given = {**_named_positional(_parent_class(module, mixin), module, args), **module.hparams}
+        saved_by_parent, dropped = plain_data(given)
     if dropped:
         left_out = sorted({path.split(".")[0] for path in dropped})
         rank_zero_warn(
@@ -51,6 +54,23 @@ def save_hyperparameters(module: LightningModule, config: MuonConfig, mixin: typ
         )
     module.hparams.clear()  # save_hyperparameters(dict) updates: start from the chosen set alone
     module.save_hyperparameters({**saved_by_parent, **own})
+
+
+def _named_positional(parent: type | None, module: LightningModule, args: tuple) -> dict[str, Any]:
+    """``args`` (the positional arguments the mixin passed on to ``parent``'s constructor) by the names of the
+    parameters they bind to, as Lightning's ``save_hyperparameters()`` names them in the parent's own frame; those
+    a ``*args`` parameter takes have no name and are left out, as Lightning leaves them out."""
+    if not args or parent is None:
+        return {}
+    try:
+        bound = inspect.signature(parent.__init__).bind_partial(module, *args)  # type: ignore[misc]
+    except (TypeError, ValueError):  # no signature, or one the call did not meet (the parent took it anyway)
+        return {}
+    parameters = inspect.signature(parent.__init__).parameters  # type: ignore[misc]
+    return {
+        name: value for name, value in list(bound.arguments.items())[1:]
+        if parameters[name].kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    }
 
 
 def _parent_class(module: LightningModule, mixin: type) -> type | None:

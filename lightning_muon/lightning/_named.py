@@ -46,8 +46,8 @@ def muon_subclass(parent: type[_T]) -> type[_T]:
 
     The class is built once per parent (calling again returns it), its ``__module__`` and ``__qualname__`` make
     it pickle by reference wherever the parent does, and ``load_from_checkpoint`` works on it as on any mixin
-    class. Its constructor is the mixin's: the mixin's keyword-only settings, and the parent's arguments by
-    keyword.
+    class. Its constructor is the mixin's: the mixin's keyword-only settings, and the parent's arguments,
+    positional or by keyword.
 
     Raises:
         TypeError: ``parent`` is not a class, or already has the mixin.

@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.optim import Optimizer
 
 from lightning_muon.lightning import _compat, _health
-from lightning_muon.lightning._checks import by_hand
+from lightning_muon.lightning._checks import by_hand, refuse_by_hand
 from lightning_muon.lightning._unsynced import UnsyncedGradients
 from lightning_muon.optim import _norms as norms
 from lightning_muon.routing import loss_in
@@ -167,8 +167,9 @@ class UpdateLoop:
         self._warned_none = False
         #: The 1-based batch index of the last update, until its monitor-driven "step" schedulers step.
         self._plateau_pending: int | None = None
-        #: The parameters' gradient hooks of `guard_steps` (removed when a later fit guards its optimizers).
-        self._grad_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        #: The optimizers' step pre-hooks and the parameters' gradient hooks of `guard_steps` (removed when the fit
+        #: ends, or when optimizers built outside a fit are guarded again).
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         #: The gradients DDP will not reduce in this fit (parameters frozen when it wrapped the model).
         self._unsynced = UnsyncedGradients()
         #: The groups each optimizer's scheduler steps (from `optimizers_built`).
@@ -199,26 +200,32 @@ class UpdateLoop:
         self._unsynced = UnsyncedGradients.at_wrap(trainer.strategy.model if trainer else None, module)
 
     def guard_steps(self, module: LightningModule, optimizers: Iterable[Optimizer]) -> None:
-        """Inside the parent's ``training_step``, where the loop owns the update, make a step of any of
-        ``optimizers`` raise before it moves a weight (a step pre-hook), and a backward that accumulates into
-        their parameters' gradients raise as it does (``loss.backward()`` by hand would add a second gradient
-        to the loop's own). Both hooks do nothing outside ``training_step``, where the loop runs them."""
+        """Refuse a step of ``optimizers`` or a backward into their parameters' gradients inside the parent's
+        ``training_step`` (`_checks.refuse_by_hand`), the hooks of optimizers built before taken off."""
+        self._remove_hooks()  # optimizers built again: one hook per parameter, not one per build
+        self._hooks = refuse_by_hand(module, optimizers, lambda: self._in_training_step)
 
-        def refuse_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self._in_training_step:
-                raise by_hand(module, "training_step steps an optimizer itself (opt.step())")
-
-        def refuse_backward(param: torch.Tensor) -> None:
-            if self._in_training_step:
-                raise by_hand(module, "training_step runs a backward itself (loss.backward())")
-
-        for handle in self._grad_hooks:  # a later fit's optimizers: one hook per parameter, not one per fit
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
             handle.remove()
-        self._grad_hooks = []
-        for optimizer in optimizers:
-            optimizer.register_step_pre_hook(refuse_step)
-            for group in optimizer.param_groups:
-                self._grad_hooks += [p.register_post_accumulate_grad_hook(refuse_backward) for p in group["params"]]
+        self._hooks = []
+
+    # ------------------------------------------------------------- per fit
+
+    def start_fit(self) -> None:
+        """A fit starts with no update under way (a fit that ended by an exception may have left one): no
+        micro-batch counted (Lightning zeroes the module's gradients as its stage starts), no scheduler step
+        pending, no skipped update in a row (a resumed fit takes the checkpoint's count)."""
+        self.micro_batches, self._losses, self._plateau_pending = 0, [], None
+        self.consecutive_skips = 0
+        self._scaler_watch = _health.ScalerWatch()
+
+    def end_fit(self) -> None:
+        """The fit's hooks come off its optimizers and the module's parameters (`guard_steps`), and what the loop
+        knew of the fit's strategy and schedulers is dropped."""
+        self._remove_hooks()
+        self._unsynced = UnsyncedGradients()
+        self._scheduled_groups = _all_groups
 
     # ------------------------------------------------------------ checkpoints
 

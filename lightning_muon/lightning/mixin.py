@@ -21,8 +21,9 @@ interval and frequency), zero grads.
 The mixin's state is three objects: its config (`MuonConfig`, the constructor's
 arguments), its update loop (`UpdateLoop`, the per-batch sequence and the counters
 that span fits) and, during a fit, the fit's state (`FitState`, created by
-``configure_callbacks`` and dropped by ``teardown``). Each hook hands over to the
-method of the same name.
+``configure_callbacks`` and dropped when the fit ends, by an exception or an
+interrupt too, by the fit's own callback: everything the fit borrowed is given
+back then). Each hook hands over to the method of the same name.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.lightning import _checkpoint, _checks, _compat
 from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig
-from lightning_muon.lightning._fit import FitState, build_optimizers, check_resume, checkpoint_record
+from lightning_muon.lightning._fit import FitEnd, FitState, build_optimizers, check_resume, checkpoint_record
 from lightning_muon.lightning._hparams import save_hyperparameters, settings_from_checkpoint
 from lightning_muon.lightning._pair import OptimizerPair
 from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings, bind_step
@@ -71,7 +72,9 @@ class MuonMixin(_LightningModuleBase):
 
     Put it first in the bases: ``class MyModel(MuonMixin, MyExistingModule)``.
     Its keyword-only arguments are the whole configuration; every other
-    argument goes to the wrapped module's constructor.
+    argument, positional or keyword, goes to the wrapped module's constructor
+    (``MuonModel(64, 3, gradient_clip_val=1.0)``) and is saved as the parent's
+    hyperparameters exactly as without the mixin.
 
     Args:
         muon: factory of the Muon optimizer, called with the routed param
@@ -122,7 +125,7 @@ class MuonMixin(_LightningModuleBase):
 
     def __init__(
         self,
-        *,
+        *args: Any,
         muon: OptimizerCallable | None = DEFAULT_MUON,  # type: ignore[assignment]
         adamw: OptimizerCallable = DEFAULT_ADAMW,  # type: ignore[assignment]
         lr_scheduler: LRSchedulerCallable | None = None,
@@ -146,7 +149,7 @@ class MuonMixin(_LightningModuleBase):
         # save_hyperparameters() collects these frames' locals, and checkpoints must load with weights_only.
         muon, adamw, lr_scheduler = config.muon, config.adamw, config.lr_scheduler
         muon_params, adamw_params = list(config.muon_params), list(config.adamw_params)
-        super().__init__(**kwargs)
+        super().__init__(*args, **kwargs)
         if not self.automatic_optimization:
             raise _checks.by_hand(self, f"{type(self).__name__}'s parent sets automatic_optimization = False")
         self.automatic_optimization = False
@@ -157,7 +160,7 @@ class MuonMixin(_LightningModuleBase):
         self._muon_pair: OptimizerPair | None = None
         #: What the first training batch showed (None until one is seen); kept in checkpoints.
         self._muon_roles: GraphRoles | None = None
-        save_hyperparameters(self, config, MuonMixin)
+        save_hyperparameters(self, config, MuonMixin, args)
 
     # ------------------------------------------------ read-only surface (callbacks, commands)
 
@@ -219,7 +222,12 @@ class MuonMixin(_LightningModuleBase):
     def configure_callbacks(self) -> Any:
         callbacks = super().configure_callbacks()
         if self.trainer.state.fn == "fit":  # Lightning's manual-optimization checks come next
-            self._muon_fit = FitState.start(self, self._muon_config, self._load_record)
+            self._end_fit()  # a fit whose end Lightning never reported (none known): what it borrowed, back
+            self._muon_loop.start_fit()
+            fit_end = FitEnd(self._end_fit)  # Lightning skips the module's teardown when a fit raises
+            self._muon_fit = FitState.start(self, self._muon_config, self._load_record, fit_end)
+            own = [] if not callbacks else list(callbacks) if isinstance(callbacks, Sequence) else [callbacks]
+            callbacks = [*own, fit_end]
         return callbacks
 
     def setup(self, stage: str) -> None:
@@ -249,11 +257,17 @@ class MuonMixin(_LightningModuleBase):
         super().on_train_epoch_end()
         self._muon_loop.on_train_epoch_end(self)
 
-    def teardown(self, stage: str) -> None:
-        if stage == "fit" and self._muon_fit is not None:  # the Trainer's flags back, lr_find's suggestion kept
-            self._muon_config = self._muon_fit.teardown(self, self._muon_config)
-            self._muon_fit = None
-        super().teardown(stage)
+    def _end_fit(self) -> None:
+        """The end of a fit, by any exit (from the fit's callback, `FitEnd`: Lightning calls the module's
+        ``teardown`` only when a fit ends normally): the Trainer, its strategy and the module get back what the
+        fit borrowed, lr_find's suggestion is kept, the update loop's hooks come off; once, whichever exit."""
+        fit, self._muon_fit = self._muon_fit, None
+        if fit is None:
+            return
+        try:
+            self._muon_config = fit.teardown(self, self._muon_config)
+        finally:
+            self._muon_loop.end_fit()
 
     def _muon_step(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return _run_step(self, step, args, kwargs)
