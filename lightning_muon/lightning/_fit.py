@@ -92,6 +92,7 @@ class FitState:
         resolve them against ``config``; make the strategy's checkpoint loading name unreadable files and give a
         distributed checkpoint's record to ``load_record`` first; take ``torch.compile``'s compiler off the step."""
         trainer = module.trainer
+        _checks.check_strategy(trainer.strategy)  # before the strategy flattens anything (FSDP1, DeepSpeed)
         _checks.check_callbacks(module, config.muon_enabled)
         flags = _compat.take_trainer_flags(trainer)
         try:
