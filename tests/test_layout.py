@@ -43,8 +43,10 @@ DTENSOR = "lightning_muon.optim._dtensor"
 #: The private modules any subpackage may import: Lightning's private API (`COMPAT`), torch's private DTensor API
 #: (`DTENSOR`), and norms and rank agreement over tensors and DTensors (timm's ``_helpers.py`` is the model).
 FENCED = {COMPAT, DTENSOR, "lightning_muon.optim._norms"}
-#: torch's private DTensor names (attributes, functions, classes) that only `DTENSOR` may use.
-TORCH_PRIVATE_DTENSOR = ("_StridedShard", "_compute_local_shape_and_global_offset", "_local_tensor", "_spec")
+#: torch's private DTensor names (attributes, functions, classes), and FSDP1's mark on what it flattened, that only
+#: `DTENSOR` may use.
+TORCH_PRIVATE_DTENSOR = ("_StridedShard", "_compute_local_shape_and_global_offset", "_local_tensor", "_spec",
+                         "_fsdp_flattened")
 
 
 def source_files() -> dict[str, Path]:
@@ -181,8 +183,10 @@ def own_names() -> frozenset[str]:
 
 def private_lightning_uses(name: str, tree: ast.Module) -> list[str]:
     """Lightning-private names a module uses: imported from lightning, or read as an attribute or a string
-    key (``"_class_path"``) that Lightning's source defines and this package does not."""
-    private = lightning_private_names() - own_names()
+    key (``"_class_path"``) that Lightning's source defines and this package does not. torch's private names that
+    Lightning reads too (FSDP1's ``"_fsdp_flattened"``) are torch's: `TORCH_PRIVATE_DTENSOR` keeps them in one
+    module."""
+    private = lightning_private_names() - own_names() - set(TORCH_PRIVATE_DTENSOR)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "lightning":

@@ -23,6 +23,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from test_dependencies import LIGHTNING, admitted
 
 from lightning_muon.commands.config_files import SHIPPED, shipped_configs
 
@@ -106,6 +109,10 @@ def test_the_wheel_holds_the_package_examples_configs_and_license(wheel):
     assert "jsonargparse[signatures]<5,>=4.27.7" in requires
     # rich only as an extra: installed, it switches every Lightning project's progress bar to RichProgressBar
     assert [r for r in requires if r.startswith("rich") and "extra ==" not in r] == []
+    # what pip reads keeps Lightning's compromised releases out (tests/test_dependencies.py: GHSA-w37p-236h-pfx3)
+    lightning = [Requirement(r) for r in requires if canonicalize_name(Requirement(r).name) in LIGHTNING]
+    assert sorted(canonicalize_name(r.name) for r in lightning) == sorted(LIGHTNING)
+    assert [str(r) for r in lightning if admitted(r.specifier)] == []
     description = metadata.get_payload()
     relative = [link for link in re.findall(r"\]\(([^)]+)\)", description) if not link.startswith(("http", "#"))]
     assert relative == [], f"links that break on a package index page: {relative}"

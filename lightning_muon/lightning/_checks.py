@@ -12,7 +12,7 @@ from typing import Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import LearningRateFinder, StochasticWeightAveraging
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, Strategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
@@ -41,6 +41,33 @@ TOGGLE_REFUSED = (
     "toggle_optimizer switches off the gradients of the other optimizer's parameters, but MuonMixin "
     "steps Muon and AdamW together on one loss. Remove the toggle_optimizer/untoggle_optimizer calls."
 )
+
+
+#: Why FSDP1 is refused, and the way.
+FSDP1_REFUSED = (
+    "MuonMixin cannot run under strategy='fsdp' (FSDP1): FSDP1 flattens the parameters before the optimizers are "
+    "built, so Muon would get flat 1-D shards instead of weight matrices, and manual optimization cannot work with "
+    "them. Use FSDP2: strategy=ModelParallelStrategy() with fully_shard in configure_model."
+)
+
+#: Why DeepSpeed is refused, and the ways.
+DEEPSPEED_REFUSED = (
+    "MuonMixin cannot run under DeepSpeed (DeepSpeedStrategy): the mixin trains a pair of optimizers, Muon on the "
+    "hidden matrices and AdamW on the rest, under manual optimization, and DeepSpeed's engine takes one optimizer "
+    "whose param groups its ZeRO stages flatten into 1-D buffers, which Muon cannot orthogonalise. For sharded "
+    "training use FSDP2: strategy=ModelParallelStrategy() with fully_shard in configure_model (the distributed "
+    "guide). To stay on DeepSpeed, use DeepSpeed's own Muon (\"optimizer\": {\"type\": \"Muon\"} in its config, "
+    "with ZeRO) on the module without MuonMixin."
+)
+
+
+def check_strategy(strategy: Strategy) -> None:
+    """When the fit starts, before the strategy sets anything up (it would flatten the parameters and build the
+    optimizers over them): refuse the strategies that flatten parameters, FSDP1 and DeepSpeed."""
+    if isinstance(strategy, _compat.lightning_classes(FSDPStrategy)):
+        raise MisconfigurationException(FSDP1_REFUSED)
+    if isinstance(strategy, _compat.lightning_classes(DeepSpeedStrategy)):
+        raise MisconfigurationException(DEEPSPEED_REFUSED)
 
 
 def by_hand(module: LightningModule, where: str) -> MisconfigurationException:
@@ -91,14 +118,8 @@ def check_callbacks(module: LightningModule, muon_enabled: bool) -> None:
 
 
 def check_fit(module: LightningModule, own_classes: Sequence[type]) -> None:
-    """At fit start: refuse FSDP1 and a replaced ``configure_optimizers``; warn about parent hooks that
-    manual optimization will never call."""
-    if isinstance(module.trainer.strategy, _compat.lightning_classes(FSDPStrategy)):
-        raise MisconfigurationException(
-            "MuonMixin cannot run under strategy='fsdp' (FSDP1): manual optimization and its flattened "
-            "parameters cannot work together. Use FSDP2: strategy=ModelParallelStrategy() with "
-            "fully_shard in configure_model."
-        )
+    """At fit start: refuse a replaced ``configure_optimizers``; warn about parent hooks that manual optimization
+    will never call. (The strategy was checked before it set up: `check_strategy`.)"""
     if "configure_optimizers" in vars(module):
         raise MisconfigurationException(
             "configure_optimizers was replaced on this model (LightningCLI --optimizer/--lr_scheduler do "

@@ -118,6 +118,7 @@ class FitState:
         distributed checkpoint's record to ``load_record`` first; take ``torch.compile``'s compiler off the step.
         ``callback`` (which the mixin gives Lightning) ends the fit, however it ends, and leaves the Trainer then."""
         trainer = module.trainer
+        _checks.check_strategy(trainer.strategy)  # before the strategy flattens anything (FSDP1, DeepSpeed)
         _checks.check_callbacks(module, config.muon_enabled)
         flags = _compat.take_trainer_flags(trainer)
         try:

@@ -1,11 +1,12 @@
 """What the maths, the plan, the exchanges, the attention clip and the first-batch trace need to know of sharding:
 whether a tensor is a DTensor, which part of its matrix each rank's shard holds (`matrix_parts`), whether a
 placement shards a matrix's rows or columns (`shards_matrix`), a DTensor's local shard as the forward holds it
-(`local_tensor`).
+(`local_tensor`); and what FSDP1 flattened (`fsdp1_flattened`, `fsdp1_wrapped`), which Muon cannot train.
 
 The one module that reads torch's private DTensor API (``_compute_local_shape_and_global_offset``,
-``_StridedShard``, ``DTensor._local_tensor``): every subpackage may import it, and ``tests/test_layout.py`` keeps
-those names here, as ``lightning/_compat.py`` keeps Lightning's private API.
+``_StridedShard``, ``DTensor._local_tensor``) and FSDP1's mark on the tensors it flattened (``_fsdp_flattened``):
+every subpackage may import it, and ``tests/test_layout.py`` keeps those names here, as ``lightning/_compat.py``
+keeps Lightning's private API.
 """
 
 from __future__ import annotations
@@ -13,9 +14,14 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import sys
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
+
+#: The attribute FSDP1 sets on every tensor it flattened: its ``FlatParameter``s, and with ``use_orig_params=True``
+#: the original parameters, whose data it made views of this rank's shard (1-D, ``(0,)`` where the rank holds none).
+FSDP1_FLATTENED = "_fsdp_flattened"
 
 #: One rank's part of a sharded matrix (``shape[0] x prod(shape[1:])``): ``(first row, rows, first column,
 #: columns)``.
@@ -118,3 +124,21 @@ def local_slices(tensor: Tensor) -> tuple[slice, ...]:
     mesh, placements = tensor.device_mesh, tensor.placements  # type: ignore[attr-defined]
     local, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
     return tuple(slice(start, start + n) for start, n in zip(offset, local, strict=True))
+
+
+def fsdp1_flattened(tensor: Tensor) -> bool:
+    """Whether FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) flattened ``tensor``: one of its flat
+    parameters, or an original parameter whose data it replaced by a view of a flat shard (``use_orig_params``)."""
+    return bool(getattr(tensor, FSDP1_FLATTENED, False))
+
+
+def fsdp1_wrapped(model: nn.Module) -> tuple[list[str], list[str]]:
+    """The names of ``model``'s FSDP1 wrappers (``""`` for the model itself) and of its trainable parameters FSDP1
+    flattened (also where the model was wrapped from outside); both empty for a model FSDP1 has not touched (FSDP2's
+    ``fully_shard`` keeps parameters whole, as DTensors). Nothing can be wrapped before ``torch.distributed.fsdp``
+    is imported, so it is never imported here."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    wrapper = getattr(fsdp, "FullyShardedDataParallel", None)
+    modules = [name for name, m in model.named_modules() if wrapper is not None and isinstance(m, wrapper)]
+    params = [name for name, p in model.named_parameters() if p.requires_grad and fsdp1_flattened(p)]
+    return modules, params

@@ -443,8 +443,20 @@ def apply(bucket: Bucket, orthogonal: list[Tensor], normalized: bool = False) ->
         decays = [p * (p * u >= 0) for p, u in zip(bucket.params, shaped, strict=True)]
         torch._foreach_add_(bucket.params, decays, alpha=-coefficient)
     elif 1 - coefficient != 1.0:
-        torch._foreach_mul_(bucket.params, 1 - coefficient)
+        decay(bucket.params, 1 - coefficient)
     torch._foreach_add_(bucket.params, shaped, alpha=-bucket.effective_lr)
+
+
+def decay(params: list[Tensor], factor: float) -> None:
+    """``p <- factor * p`` for each of ``params`` (one dtype: a bucket's). ``torch._foreach_mul_`` with a Python
+    scalar first rounds the scalar to a 16-bit tensor's dtype (torch 2.13: ``1 - 0.002`` becomes ``0.99609375`` in
+    bf16, twice the decay asked for; ``1 - 2e-4`` becomes 1, none), where ``Tensor.mul_`` multiplies in float32 as
+    ``torch.optim.Muon`` does; so 16-bit parameters are multiplied one by one."""
+    if params[0].dtype.itemsize >= 4:
+        torch._foreach_mul_(params, factor)
+    else:
+        for p in params:
+            p.mul_(factor)
 
 
 def measure(updates: Tensor, effective_lr: float) -> tuple[Tensor, Tensor]:

@@ -23,7 +23,10 @@ dict can move between the two for 2D parameters. Beyond it:
   weight decay (``cautious_weight_decay``);
 - ``adjust_lr_fn`` also offers ``"spectral"`` and ``"none"``;
 - on request, a step records how orthogonal each update was
-  (`Muon.record_diagnostics`), at no cost on other steps.
+  (`Muon.record_diagnostics`), at no cost on other steps;
+- a parameter that is no longer the matrix it was given as (DeepSpeed's ZeRO writes flat 1-D buffers into
+  ``group["params"]``; FSDP1 flattens parameters) is refused at the step, before anything moves; FSDP1's flattened
+  tensors are refused when given.
 
 Only hidden-layer matrices belong here. Embeddings, the output head, norms,
 biases and every other parameter with fewer than two dimensions belong to
@@ -32,6 +35,7 @@ AdamW: `lightning_muon.route_parameters` sorts them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +45,8 @@ from torch.optim import Optimizer
 
 from lightning_muon.optim import _precision, groups
 from lightning_muon.optim._choice import StrategyChoice, StrategyInfo
-from lightning_muon.optim._dtensor import is_dtensor
+from lightning_muon.optim._dtensor import fsdp1_flattened, is_dtensor
+from lightning_muon.optim._given import GivenShapes
 from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES
 from lightning_muon.optim._update import Chooser, ParamDiagnostics
 from lightning_muon.optim.defaults import DEFAULT_GRAM_ASPECT, MUON_CLASS
@@ -132,6 +137,13 @@ def _group_defaults(arguments: dict[str, Any]) -> dict[str, Any]:
 
 def _refusal(p: Tensor, layout: str) -> str | None:
     """Why Muon cannot take ``p`` with this matrix layout, or ``None``."""
+    if fsdp1_flattened(p):
+        return (
+            "FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel) has flattened it (into a view of this rank's "
+            "1-D shard, or one flat tensor per wrapped module), and Muon orthogonalises each matrix whole. Shard "
+            "with FSDP2 instead: torch.distributed.fsdp.fully_shard (in Lightning, ModelParallelStrategy), whose "
+            "parameters keep their shapes."
+        )
     if p.ndim < 2:
         return (
             "Muon orthogonalises matrices, so every parameter needs at least 2 dimensions. "
@@ -161,6 +173,12 @@ def _block_refusal(p: Tensor, layout: str, sizes: Any) -> str | None:
             "under FSDP2 or tensor parallelism; leave its blocks fused (matrix_blocks None)."
         )
     return None
+
+
+def _param_refusal(choice: StrategyChoice, p: Tensor, layout: str, sizes: Any) -> str | None:
+    """Why a Muon whose strategy is chosen by ``choice`` cannot take ``p`` in this layout with these row blocks (a
+    param group's ``matrix_blocks`` entry), or ``None``."""
+    return _refusal(p, layout) or _block_refusal(p, layout, sizes) or choice.refusal(p)
 
 
 class Muon(Optimizer):
@@ -293,6 +311,7 @@ class Muon(Optimizer):
         self.split_ns = split_ns
         #: Where the Newton-Schulz work runs: the strategy, chosen at the first step (`StrategyChoice`).
         self._choice = StrategyChoice(process_group, device_mesh, exchange_round_bytes)
+        self._given = GivenShapes()  # the shape each parameter was given as, checked at every step
         self._clear_records()
         super().__init__(params, defaults)
 
@@ -326,13 +345,14 @@ class Muon(Optimizer):
             )
         layouts, blocks = groups.layouts_of(group), groups.blocks_of(group)
         for i, (p, layout, sizes) in enumerate(zip(group["params"], layouts, blocks, strict=True)):
-            problem = _refusal(p, layout) or _block_refusal(p, layout, sizes) or self._choice.refusal(p)
+            problem = _param_refusal(self._choice, p, layout, sizes)
             if problem is not None:
                 self.param_groups.pop()  # refuse the whole group, as if it had never been added
                 raise ValueError(
                     f"Muon got {groups.describe_param(group, i, first_index + i)} of shape {tuple(p.shape)}: "
                     + problem
                 )
+        self._given.record(group["params"])
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's keeps defaults, state and param_groups: the settings of this optimizer travel too (a copy
@@ -341,6 +361,8 @@ class Muon(Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        if "_given" not in self.__dict__:  # unpickled or copied: its tensors are checked at the first step
+            self._given = GivenShapes()
         # A state dict saved by torch.optim.Muon has none of our extra keys: keep this optimizer's own.
         for group in self.param_groups:
             for key, default in _OWN_GROUP_KEYS.items():
@@ -388,6 +410,7 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._given.check(self.param_groups, functools.partial(_param_refusal, self._choice))  # before any update
         diagnose, self._diagnose = self._diagnose, None
         every = [p for group in self.param_groups for p in group["params"]]
         stacks = any(layout in groups.STACKED for group in self.param_groups for layout in groups.layouts_of(group))

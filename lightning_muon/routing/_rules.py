@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from lightning_muon.optim import groups
+from lightning_muon.optim._dtensor import fsdp1_wrapped
 from lightning_muon.routing import _roles
 from lightning_muon.routing._route import Route
 from lightning_muon.routing._routing import Routing
@@ -94,6 +95,16 @@ class Decision:
 
 
 _TWO_D_ONLY = "{}D tensor and the Muon class is 2D-only"
+
+#: A model FSDP1 has flattened (``where``: its wrappers' or flattened parameters' names).
+FSDP1_MODEL_REFUSED = (
+    "route_parameters got a model that FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel) has flattened: "
+    "{where}. FSDP1 hands the optimizer flat 1-D shards instead of the weight matrices (one flat tensor per wrapped "
+    "module; with use_orig_params=True each parameter becomes a 1-D view of this rank's shard, (0,) where the rank "
+    "holds none), so no tensor would be routed as a matrix and Muon would not train. Shard with FSDP2 instead: "
+    "torch.distributed.fsdp.fully_shard (in Lightning, strategy=ModelParallelStrategy() with fully_shard in "
+    "configure_model), whose parameters keep their shapes (DTensors)."
+)
 
 
 @dataclass(frozen=True)
@@ -308,6 +319,16 @@ def _graph_route(role: _Role, by_layout: Decision) -> Decision:
     return by_layout
 
 
+def _fsdp1_found(wrappers: list[str], flattened: list[str]) -> str:
+    """``wrapped by FSDP1 at the model itself and '3'; flattened parameters '0.weight', ...``, three of each."""
+    def some(names: list[str]) -> str:
+        shown = ", ".join(repr(n) if n else "the model itself" for n in names[:3])
+        return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    found = [f"wrapped at {some(wrappers)}"] if wrappers else []
+    return "; ".join(found + ([f"flattened parameters {some(flattened)}"] if flattened else []))
+
+
 def route_parameters(
     module: nn.Module,
     *,
@@ -361,7 +382,9 @@ def route_parameters(
     Raises:
         ValueError: a pattern matches nothing, a parameter matches both kinds
             of pattern, a tensor Muon cannot take is forced to Muon, or ``matrix_blocks`` sets blocks that do not
-            fit a parameter (or any with a Muon class that cannot split them, ``muon_nd=False``).
+            fit a parameter (or any with a Muon class that cannot split them, ``muon_nd=False``), or FSDP1
+            (``FullyShardedDataParallel``) has flattened the model's parameters (FSDP2's ``fully_shard`` is the
+            sharding Muon supports).
     """
     trainable: dict[str, Tensor] = {name: p for name, p in module.named_parameters() if p.requires_grad}
     lazy = [name for name, p in trainable.items() if is_lazy(p)]
@@ -372,6 +395,9 @@ def route_parameters(
             "with an example batch before the optimizers are built, e.g. at the end of the module's __init__: "
             "`self(torch.zeros(1, in_features))`."
         )
+    wrappers, flattened = fsdp1_wrapped(module)
+    if wrappers or flattened:
+        raise ValueError(FSDP1_MODEL_REFUSED.format(where=_fsdp1_found(wrappers, flattened)))
     owners: dict[int, list[tuple[str, nn.Module]]] = {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
         for p_name, p in mod.named_parameters(recurse=False):

@@ -105,12 +105,16 @@ def test_swa_and_lr_find_of_either_package_are_refused_with_the_mixins_reason(pl
 
 
 @pytest.mark.parametrize("pl", PACKAGES)
-def test_fsdp1_of_either_package_is_refused_at_fit_start(pl):
-    """FSDPStrategy needs a GPU to run at all, so the check is called as Lightning calls it, with the strategy set."""
-    model = classes(pl)()
-    model.trainer = types.SimpleNamespace(strategy=pl.strategies.FSDPStrategy())
-    with pytest.raises(Exception, match=r"strategy='fsdp'.*ModelParallelStrategy"):
-        model.on_fit_start()
+def test_fsdp1_and_deepspeed_of_either_package_are_refused_at_fit_start(pl):
+    """FSDPStrategy needs a GPU to run at all and DeepSpeedStrategy DeepSpeed to be built (an instance whose
+    constructor did not run stands for it), so the check is called as Lightning calls it, with the strategy set."""
+    deepspeed = pl.strategies.DeepSpeedStrategy.__new__(pl.strategies.DeepSpeedStrategy)
+    for strategy, refused in [(pl.strategies.FSDPStrategy(), r"strategy='fsdp'.*ModelParallelStrategy"),
+                              (deepspeed, r"under DeepSpeed \(DeepSpeedStrategy\).*ModelParallelStrategy")]:
+        model = classes(pl)()
+        model.trainer = types.SimpleNamespace(strategy=strategy, state=types.SimpleNamespace(fn="fit"))
+        with pytest.raises(Exception, match=refused):
+            model.configure_callbacks()
 
 
 @pytest.mark.parametrize("pl", PACKAGES)

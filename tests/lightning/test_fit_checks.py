@@ -1,7 +1,8 @@
 """What MuonMixin checks when a fit starts, through a real Trainer, before any weight moves.
 
-Refused: Muon settings that cannot train, FSDP1, a module with every parameter frozen, a string where a list of
-patterns belongs, a ``configure_optimizers`` replaced on the instance (what the CLI's ``--optimizer`` does).
+Refused: Muon settings that cannot train, FSDP1 and DeepSpeed (before the strategy flattens anything), a module
+with every parameter frozen, a string where a list of patterns belongs, a ``configure_optimizers`` replaced on the
+instance (what the CLI's ``--optimizer`` does).
 Said: a parent's hooks that will never run (a warning, once), a module with nothing for Muon (trains on AdamW
 alone), and the parent's ``configure_optimizers`` the mixin's replaces (at INFO when only the optimizer differs,
 a warning naming what else is lost when it had a scheduler).
@@ -12,10 +13,13 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import sys
 import warnings
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
@@ -25,6 +29,7 @@ from helpers import (
     MuonRegression,
     Regression,
     make_trainer,
+    same,
     snapshot,
 )
 
@@ -46,20 +51,54 @@ def test_settings_that_cannot_train_are_refused_before_the_first_update(tmp_path
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
 
-def test_fsdp1_is_refused_at_fit_start():
-    # FSDPStrategy needs a GPU to run at all, so the check is called as Lightning calls it, with the strategy set.
-    from types import SimpleNamespace
+#: The fit-start refusals of the strategies that flatten parameters.
+FSDP1_REFUSED = r"MuonMixin cannot run under strategy='fsdp' \(FSDP1\): .*Use FSDP2: strategy=ModelParallelStrategy\(\)"
+DEEPSPEED_REFUSED = (r"MuonMixin cannot run under DeepSpeed \(DeepSpeedStrategy\): the mixin trains a pair of "
+                     r"optimizers, Muon .* and AdamW .*ZeRO stages flatten .*use FSDP2: "
+                     r"strategy=ModelParallelStrategy\(\) .* DeepSpeed's own Muon")
 
-    from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
 
+def _not_built(strategy_class: type) -> object:
+    """An instance of ``strategy_class`` whose constructor did not run (DeepSpeedStrategy's imports DeepSpeed)."""
+    return strategy_class.__new__(strategy_class)
+
+
+@pytest.mark.parametrize(("strategy", "refused"), [
+    pytest.param(lambda: FSDPStrategy(), FSDP1_REFUSED, id="fsdp1"),
+    pytest.param(lambda: _not_built(DeepSpeedStrategy), DEEPSPEED_REFUSED, id="deepspeed"),
+])
+def test_strategies_that_flatten_parameters_are_refused_as_the_fit_starts(strategy, refused):
+    # FSDPStrategy needs a GPU to run, DeepSpeedStrategy DeepSpeed to be built: the check is called where Lightning
+    # calls it, the first hook of a fit (configure_callbacks), before the strategy flattens anything
     model = MuonRegression()
-    model.trainer = SimpleNamespace(strategy=FSDPStrategy())
-    with pytest.raises(MisconfigurationException, match=r"strategy='fsdp'.*ModelParallelStrategy"):
-        model.on_fit_start()
+    model.trainer = SimpleNamespace(strategy=strategy(), state=SimpleNamespace(fn="fit"))
+    with pytest.raises(MisconfigurationException, match=refused):
+        model.configure_callbacks()
+    assert model._muon_fit is None  # nothing taken from the Trainer
     model.trainer = SimpleNamespace(
         strategy=SingleDeviceStrategy(torch.device("cpu")), lr_scheduler_configs=[], optimizers=[]
     )
-    model.on_fit_start()  # the same check passes on a supported strategy
+    model.on_fit_start()  # the fit's other checks pass on a supported strategy
+
+
+def test_deepspeed_is_refused_by_a_real_fit_before_deepspeed_or_its_cuda_checks_run(tmp_path, monkeypatch):
+    # DeepSpeed stays out of the tests: its strategy's constructor only sets DeepSpeed's log level, so a stand-in
+    # module takes that call; the fit is refused at its first hook, before the strategy's setup_environment (whose
+    # "only supported on CUDA GPUs" would be the error without the check) and before anything of DeepSpeed runs
+    from lightning.pytorch.strategies import deepspeed
+
+    stand_in = ModuleType("deepspeed")
+    stand_in.utils = SimpleNamespace(logging=SimpleNamespace(logger=logging.getLogger("deepspeed-stand-in")))
+    monkeypatch.setitem(sys.modules, "deepspeed", stand_in)
+    monkeypatch.setattr(deepspeed, "_DEEPSPEED_AVAILABLE", True)
+    monkeypatch.setattr(deepspeed, "_DEEPSPEED_GREATER_EQUAL_0_16", True)
+    model = MuonRegression()
+    before = snapshot(model)
+    trainer = make_trainer(tmp_path, max_steps=2, strategy=DeepSpeedStrategy(stage=2), gradient_clip_val=0.5)
+    with pytest.raises(MisconfigurationException, match=DEEPSPEED_REFUSED):
+        trainer.fit(model)
+    assert trainer.gradient_clip_val == 0.5  # nothing borrowed from the Trainer
+    assert same(snapshot(model), before)
 
 
 def test_a_model_with_every_parameter_frozen_says_so(tmp_path):
