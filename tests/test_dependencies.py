@@ -64,7 +64,8 @@ def unsafe_mentions(text: str) -> list[str]:
 def text_files() -> list[Path]:
     """The project's own text files (hidden folders but ``.ci`` and this file left out)."""
     files = [path for path in ROOT.rglob("*") if path.is_file() and path.suffix in TEXT_SUFFIXES
-             and not any(part.startswith(".") for part in path.relative_to(ROOT).parts[:-1])
+             and not any(part.startswith(".") or part.endswith(".egg-info")  # pip's copy of an older install
+                         for part in path.relative_to(ROOT).parts[:-1])
              and path != Path(__file__).resolve()]
     return files + sorted((ROOT / ".ci").glob("*"))
 
