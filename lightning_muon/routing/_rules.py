@@ -162,7 +162,7 @@ def _matrices(p: Tensor, module: nn.Module, param_name: str, muon_nd: bool) -> D
             return Decision(Algorithm.ADAMW, "other", _TWO_D_ONLY.format(p.ndim), Rule.SHAPE, Kind.KERNEL)
         groups = _roles.kernel_groups(module, param_name)
         if groups > 1:  # each group's matrix alone: `_with_blocks` gives its blocks and says so
-            depthwise = " depthwise" if shape[0] == groups else ""
+            depthwise = " depthwise" if module.in_channels == module.out_channels == groups else ""
             return Decision(Algorithm.MUON, "hidden", f"{p.ndim}D{depthwise} kernel of {groups} groups", Rule.SHAPE,
                             Kind.KERNEL)
         reason = f"{p.ndim}D kernel, orthogonalised as {shape[0]}x{math.prod(shape[1:])}"
