@@ -105,7 +105,8 @@ class MuonMixin(_LightningModuleBase):
         split_fused: orthogonalise each block of a fused projection the routing
             finds (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s ``in_proj_weight``,
             litgpt's ``qkv``, fused MoE ``gate_up_proj``) on its own, as separate
-            layers would be; off by default (the routing table names them).
+            layers would be; off by default (the routing table names them). An
+            LSTM's or GRU's gates are split whatever it says (measured better).
         matrix_blocks: glob pattern -> row-block sizes of those Muon matrices
             (``{"*.qkv.weight": [64, 64, 64]}``), or ``None`` to keep a found one
             whole; the first matching pattern decides, over ``split_fused``.

@@ -206,15 +206,18 @@ def collect_buckets(
             if normuon and SECOND_MOMENT not in state[p]:
                 state[p][SECOND_MOMENT] = new_second_moment(p, layout)
             # A fused projection's blocks step as separate parameters would: views of the tensor, its gradient,
-            # its momentum buffer and NorMuon's second moment (which stay whole in the state).
+            # its momentum buffer and NorMuon's second moment (which stay whole in the state); equal blocks as one
+            # stack of them (off the exact path).
             whole = [p, grad, state[p]["momentum_buffer"], *([state[p][SECOND_MOMENT]] if normuon else [])]
-            for k, pieces in enumerate(zip(*(split_blocks(t, layout, sizes) for t in whole), strict=True)):
+            stack = None if on_exact_path(group) else equal_blocks_as_stack(whole, layout, sizes)
+            split = [stack] if stack is not None else zip(*(split_blocks(t, layout, sizes) for t in whole), strict=True)
+            for k, pieces in enumerate(split):
                 params.append(pieces[0])
                 grads.append(pieces[1])
                 bufs.append(pieces[2])
                 moments.extend(pieces[3:])
-                names.append(f"{name}[{k}]" if named and sizes else name)
-                layouts.append(layout)
+                names.append(f"{name}[{k}]" if named and sizes and stack is None else name)
+                layouts.append("stack" if stack is not None else layout)
         index += len(group["params"])
         for ks in bucket_indices(group, params, whole_dtensors=whole_dtensors, synced=synced, layouts=layouts):
             pick = [params[k] for k in ks], [grads[k] for k in ks], [bufs[k] for k in ks], [names[k] for k in ks]
@@ -222,6 +225,22 @@ def collect_buckets(
             bucket = Bucket(group, *pick, matrix_shape(shape, layout), layout, matrices_in(shape, layout))
             buckets.append(bucket._replace(moments=[moments[k] for k in ks]) if normuon else bucket)
     return buckets
+
+
+def equal_blocks_as_stack(tensors: Sequence[Tensor], layout: str, sizes: Sequence[int] | None) -> list[Tensor] | None:
+    """A flattened parameter's equal row blocks (a grouped convolution's groups, a depthwise kernel's channels, q, k
+    and v of one size) as one stack of matrices ``blocks x rows x cols``: views of ``tensors`` (the parameter, its
+    gradient, momentum buffer and NorMuon's moment), stepped as a stack of experts is, in one batched call instead
+    of one view a block. ``None`` where there are no blocks or they differ in size, the layout is not ``"flatten"``,
+    or a tensor's memory cannot be viewed so (a channels-last kernel): then the blocks go one by one."""
+    if sizes is None or layout != "flatten" or len(sizes) < 2 or len(set(sizes)) != 1:
+        return None
+    if any(is_dtensor(t) for t in tensors):
+        return None
+    try:
+        return [t.view(len(sizes), sizes[0], -1) for t in tensors]
+    except RuntimeError:  # not viewable row by row
+        return None
 
 
 def new_second_moment(p: Tensor, layout: str) -> Tensor:
@@ -482,9 +501,16 @@ def record(bucket: Bucket, orthogonal: list[Tensor], diagnose: Chooser) -> list[
         errors = errors.reshape(len(chosen), -1).mean(dim=1)
         rms = rms.reshape(len(chosen), -1).square().mean(dim=1).sqrt()
     return [
-        ParamDiagnostics(bucket.names[j], tuple(bucket.params[j].shape), lr, error, r)
+        ParamDiagnostics(bucket.names[j], _own_shape(bucket.params[j]), lr, error, r)
         for j, error, r in zip(chosen, errors, rms, strict=True)
     ]
+
+
+def _own_shape(p: Tensor) -> tuple[int, ...]:
+    """A parameter's shape as diagnostics show it: its own, also where it steps as a stack view of its equal blocks
+    (`equal_blocks_as_stack`); a block's where it steps block by block."""
+    base = p._base
+    return tuple(base.shape if base is not None and base.numel() == p.numel() else p.shape)
 
 
 @torch.no_grad()

@@ -64,8 +64,9 @@ ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral", "none")
 LAYOUTS = ("flatten", "stack", "in_out", "stack_in_out")
 #: A param group's ``matrix_blocks`` (one entry per parameter, ``None`` or a list of sizes) splits a fused
 #: projection (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s ``in_proj_weight``, litgpt's ``qkv``, a fused MoE
-#: ``gate_up_proj``) into row blocks along its output dim (`block_dim`): each block is orthogonalised and lr-scaled
-#: as a separate parameter would be (`split_blocks`).
+#: ``gate_up_proj``, an LSTM's gates) or a grouped convolution's kernel (its groups, along dim 0) into row blocks
+#: along its output dim (`block_dim`): each block is orthogonalised and lr-scaled as a separate parameter would be
+#: (`split_blocks`).
 
 #: The layouts that hold a batch of matrices over the leading dims.
 STACKED = ("stack", "stack_in_out")

@@ -10,10 +10,11 @@ dict can move between the two for 2D parameters. Beyond it:
   gets the lr of its real shape; a param group's ``matrix_layouts`` names the
   layout of each parameter (``"flatten"``, ``"stack"``, ``"in_out"``, ``"stack_in_out"``), and
   `lightning_muon.route_parameters` fills it in;
-- a fused projection (``qkv``, ``gate_up_proj``) orthogonalised per block: a param group's ``matrix_blocks``
-  (one entry per parameter: ``None``, or the sizes of its row blocks along the output dim) steps each block
-  exactly as a separate parameter holding it would (its own Newton-Schulz, its own lr scale); the momentum
-  buffer stays whole. Not on DTensor parameters (FSDP2, tensor parallelism): refused;
+- a fused projection (``qkv``, ``gate_up_proj``, an LSTM's gates) or a grouped convolution's kernel (its groups)
+  orthogonalised per block: a param group's ``matrix_blocks`` (one entry per parameter: ``None``, or the sizes of
+  its row blocks along the output dim) steps each block exactly as a separate parameter holding it would (its own
+  Newton-Schulz, its own lr scale); the momentum buffer stays whole. Not on DTensor parameters (FSDP2, tensor
+  parallelism): refused;
 - matrices of the same shape are orthogonalised together in one batched call
   (up to ``ns_batch_bytes`` per call), and the elementwise work uses
   ``torch._foreach_*`` kernels;
@@ -169,8 +170,10 @@ def _block_refusal(p: Tensor, layout: str, sizes: Any) -> str | None:
         )
     if is_dtensor(p):
         return (
-            "a fused projection split into blocks (matrix_blocks) is not supported on a sharded (DTensor) parameter "
-            "under FSDP2 or tensor parallelism; leave its blocks fused (matrix_blocks None)."
+            "a parameter split into row blocks (matrix_blocks: a fused projection's blocks, a grouped convolution's "
+            "groups) is not supported on a sharded (DTensor) parameter under FSDP2 or tensor parallelism; leave it "
+            "whole (its matrix_blocks None: route_parameters' or the mixin's matrix_blocks={'<its name>': None}, "
+            "which orthogonalises a grouped convolution across its groups), or put it on AdamW (adamw_params)."
         )
     return None
 

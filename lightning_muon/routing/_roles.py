@@ -44,6 +44,22 @@ def is_conv(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.conv._ConvNd)
 
 
+def kernel_groups(module: nn.Module, param_name: str) -> int:
+    """How many groups a convolution's kernel holds (its ``groups``: ResNeXt's 32, a depthwise conv's one per
+    channel), 1 for any other parameter. A grouped kernel is a stack of its groups' matrices along dim 0, each
+    ``shape[0] / groups x prod(shape[1:])``: a conv's ``out x in/groups x k...`` holds group ``j``'s output
+    channels in rows ``j*out/groups`` on, a transposed conv's ``in x out/groups x k...`` group ``j``'s input
+    channels (its operator maps them to the group's outputs: the same matrix, stored transposed)."""
+    return module.groups if isinstance(module, nn.modules.conv._ConvNd) and param_name == "weight" else 1
+
+
+def grouped_kernels(module: nn.Module) -> dict[str, int]:
+    """The kernels of a model's grouped convolutions (``groups`` > 1), by parameter name, with their number of
+    groups (`kernel_groups`)."""
+    return {f"{name}.weight" if name else "weight": m.groups
+            for name, m in module.named_modules() if is_conv(m) and m.groups > 1}
+
+
 def stores_in_out(module: nn.Module, param_name: str) -> bool:
     """A weight stored ``in x out`` (transformers' ``Conv1D``, the GPT-2 family's Linear)."""
     return type(module).__name__ == "Conv1D" and param_name == "weight"
@@ -162,12 +178,25 @@ def adapter_parameters(module: nn.Module) -> dict[str, str]:
     return found
 
 
+#: torch's recurrent layers whose ``weight_ih`` and ``weight_hh`` matrices stack several gates' matrices in their
+#: rows, with those gates in torch's order (``nn.RNN``'s and ``nn.RNNCell``'s hold one matrix each: not fused).
+RECURRENT_GATES: tuple[tuple[type[nn.Module], str, int], ...] = (
+    (nn.LSTM, "LSTM gates i, f, g, o", 4), (nn.LSTMCell, "LSTM gates i, f, g, o", 4),
+    (nn.GRU, "GRU gates r, z, n", 3), (nn.GRUCell, "GRU gates r, z, n", 3),
+)
+#: A recurrent layer's gate matrices: ``weight_ih_l0``, ``weight_hh_l1_reverse``, a cell's ``weight_ih`` (not a
+#: projection's ``weight_hr_l0``, one matrix).
+_GATE_WEIGHT = re.compile(r"^weight_(ih|hh)(_l\d+(_reverse)?)?$")
+
+
 def fused_projections(module: nn.Module) -> dict[str, tuple[str, tuple[int, ...] | None]]:
     """The fused projections of a model, by parameter name: what their blocks are (``"q, k, v"``) and their sizes
     along the output dim (``None`` where the blocks are interleaved, not contiguous), found by module type and
     shape: ``nn.MultiheadAttention``'s ``in_proj_weight``, transformers' ``Conv1D`` ``c_attn`` of an attention of
-    ``embed_dim`` (GPT-2), litgpt's ``qkv`` (unequal blocks under grouped-query attention), and transformers 5's
-    fused experts' ``gate_up_proj`` (``has_gate``; ``is_concatenated`` says contiguous or interleaved)."""
+    ``embed_dim`` (GPT-2), litgpt's ``qkv`` (unequal blocks under grouped-query attention), transformers 5's
+    fused experts' ``gate_up_proj`` (``has_gate``; ``is_concatenated`` says contiguous or interleaved), and the
+    gates of ``nn.LSTM``/``nn.GRU`` (and their cells) stacked in the rows of every ``weight_ih``/``weight_hh``
+    (`RECURRENT_GATES`)."""
     found: dict[str, tuple[str, tuple[int, ...] | None]] = {}
     for name, m in module.named_modules():
         prefix = f"{name}." if name else ""
@@ -191,6 +220,22 @@ def fused_projections(module: nn.Module) -> dict[str, tuple[str, tuple[int, ...]
                 sizes = _litgpt_qkv(config)
                 if sizes is not None and sum(sizes) == child.out_features:
                     found[weight] = ("q, k, v", sizes)
+    return found | recurrent_gates(module)
+
+
+def recurrent_gates(module: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The gate-stacked matrices of a model's ``nn.LSTM``/``nn.GRU`` layers and cells (`RECURRENT_GATES`), by
+    parameter name: what their gates are (``"LSTM gates i, f, g, o"``) and their sizes along the rows (the hidden
+    size each: ``4h x in`` holds i, f, g and o one under the other)."""
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name, m in module.named_modules():
+        gates = next(((what, count) for kind, what, count in RECURRENT_GATES if isinstance(m, kind)), None)
+        if gates is None:
+            continue
+        what, count = gates
+        for p_name, p in m.named_parameters(recurse=False):
+            if _GATE_WEIGHT.match(p_name) and p.ndim == 2 and p.shape[0] % count == 0:
+                found[f"{name}.{p_name}" if name else p_name] = (what, (p.shape[0] // count,) * count)
     return found
 
 

@@ -142,7 +142,8 @@ def _not_a_matrix(name: str, p: Tensor, module: nn.Module, param_name: str, cont
         reason = f"not a matrix: {_roles.ADAPTER_COEFFICIENTS[context.adapter]} ({dims})"
         return Decision(Algorithm.ADAMW, "adapters", reason, Rule.CONVENTION, Kind.COEFFICIENTS)
     if p.ndim < 2:
-        if name.endswith("bias"):
+        recurrent = isinstance(module, nn.RNNBase | nn.RNNCellBase) and param_name.startswith("bias_")  # bias_ih_l0
+        if name.endswith("bias") or recurrent:
             return Decision(Algorithm.ADAMW, "norms_and_biases", "bias", Rule.SHAPE, Kind.BIAS)
         return Decision(Algorithm.ADAMW, "norms_and_biases", f"{p.ndim}D tensor", Rule.SHAPE, Kind.VECTOR)
     if context.router is not None and own_weight:
@@ -170,6 +171,11 @@ def _matrices(p: Tensor, module: nn.Module, param_name: str, muon_nd: bool) -> D
     if _roles.is_conv(module) and param_name == "weight":
         if not muon_nd:
             return Decision(Algorithm.ADAMW, "other", _TWO_D_ONLY.format(p.ndim), Rule.SHAPE, Kind.KERNEL)
+        groups = _roles.kernel_groups(module, param_name)
+        if groups > 1:  # each group's matrix alone: `_with_blocks` gives its blocks and says so
+            depthwise = " depthwise" if module.in_channels == module.out_channels == groups else ""
+            return Decision(Algorithm.MUON, "hidden", f"{p.ndim}D{depthwise} kernel of {groups} groups", Rule.SHAPE,
+                            Kind.KERNEL)
         reason = f"{p.ndim}D kernel, orthogonalised as {shape[0]}x{math.prod(shape[1:])}"
         return Decision(Algorithm.MUON, "hidden", reason, Rule.SHAPE, Kind.KERNEL)
     if p.ndim == 2 and _roles.stores_in_out(module, param_name):
@@ -352,7 +358,8 @@ def route_parameters(
         graph: what a training batch showed (`trace_roles`): output heads, input layers and hidden
             matrices, found from the computation. It decides for matrices after user patterns, module
             type and ties; the name and structure rules decide what it did not see.
-        split_fused: orthogonalise the blocks of every fused projection found (above) on their own.
+        split_fused: orthogonalise the blocks of every fused projection found (above) on their own (recurrent
+            layers' gates are split whatever it says).
         matrix_blocks: glob patterns on full parameter names -> the row-block sizes of those Muon parameters along
             their output dim (``{"*.c_attn.weight": [768, 768, 768]}``), or ``None`` to keep a found one fused;
             the first matching pattern decides, over ``split_fused``.
@@ -360,8 +367,15 @@ def route_parameters(
     Fused projections (``nn.MultiheadAttention``'s ``in_proj_weight``, GPT-2's ``c_attn``, litgpt's ``qkv``,
     transformers' fused MoE ``gate_up_proj``) are found by module type and shape and named in the reason. With
     ``split_fused`` each of their blocks is orthogonalised and lr-scaled as a separate layer's would be (the
-    Muon group's ``matrix_blocks``); by default they stay one matrix, as before (no measurement has shown the
-    split better yet).
+    Muon group's ``matrix_blocks``); by default they stay one matrix, as before (FSDP2 and tensor parallelism
+    cannot split them yet). The gates ``nn.LSTM`` and ``nn.GRU`` (and their cells) stack in the rows of every
+    ``weight_ih``/``weight_hh`` are split by default, measured better than fused (``benchmarks/torch_layers.py``;
+    kept whole under ``torch.optim.Muon``, ``muon_nd=False``, which cannot split).
+
+    A grouped convolution's kernel (``groups`` > 1, depthwise ones too) is its groups' matrices stacked along dim 0
+    (``out/groups x in/groups*k...`` each; a transposed conv's ``in/groups x out/groups*k...``): each group is
+    orthogonalised and lr-scaled alone, as a separate convolution's would be, always (a ``matrix_blocks`` pattern
+    mapping it to ``None`` keeps it one matrix).
 
     PEFT LoRA's adapters: ``lora_A`` (``r x in``) is a hidden matrix, on Muon; ``lora_B`` (``out x r``) goes to
     AdamW (group ``adapters``), where it trained better in the measured recipe (``benchmarks/finetune.py``).
@@ -424,22 +438,38 @@ def route_parameters(
             decision = _adapter_route(aliases[name], _role_route(role, by_layout) or by_layout)
         routes.append(decision.route(name, tuple(p.shape)))
 
-    routes = _with_blocks(routes, trainable, aliases, _roles.fused_projections(module), split_fused,
-                          dict(matrix_blocks or {}), muon_nd)
+    found = _Found(_roles.fused_projections(module), _roles.recurrent_gates(module), _roles.grouped_kernels(module))
+    routes = _with_blocks(routes, trainable, aliases, found, split_fused, dict(matrix_blocks or {}), muon_nd)
     routed = [r.name for r in routes]
     if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's
         raise RuntimeError(f"lightning_muon routed {sorted(routed)} for the trainable parameters {sorted(trainable)}")
     return Routing(routes=routes, params=dict(trainable), roles_from=_roles_from(graph))
 
 
-def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[str, list[str]],
-                 fused: dict[str, tuple[str, tuple[int, ...] | None]], split_fused: bool,
-                 patterns: dict[str, Sequence[int] | None], muon_nd: bool) -> list[Route]:
-    """``routes`` with the fused projections' blocks: named in the reason where found, split where ``split_fused``
-    or a ``matrix_blocks`` pattern says so."""
+@dataclass(frozen=True)
+class _Found:
+    """The tensors of a model that hold several matrices along their rows, by parameter name."""
+
+    #: Fused projections: what their blocks are and their sizes (`_roles.fused_projections`).
+    fused: dict[str, tuple[str, tuple[int, ...] | None]]
+    #: The fused projections split by default: recurrent layers' gates (`_roles.recurrent_gates`: what they are,
+    #: their sizes), measured better split (``benchmarks/torch_layers.py``).
+    gates: dict[str, tuple[str, tuple[int, ...]]]
+    #: Grouped convolutions' kernels: their number of groups (`_roles.grouped_kernels`).
+    grouped: dict[str, int]
+
+
+def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[str, list[str]], found: _Found,
+                 split_fused: bool, patterns: dict[str, Sequence[int] | None], muon_nd: bool) -> list[Route]:
+    """``routes`` with their row blocks: a grouped convolution's kernel split into its groups (always: each group
+    is a layer's operator of its own), a recurrent layer's gates split (by default, where the Muon class can), any
+    other fused projection's blocks named in the reason and split where ``split_fused`` says so; a
+    ``matrix_blocks`` pattern decides over all."""
     done = []
     for r in routes:
-        found = next((fused[a] for a in aliases[r.name] if a in fused), None)
+        fused = next((found.fused[a] for a in aliases[r.name] if a in found.fused), None)
+        gates = next((found.gates[a] for a in aliases[r.name] if a in found.gates), None)
+        groups = next((found.grouped[a] for a in aliases[r.name] if a in found.grouped), None)
         pattern = _matched(list(patterns), aliases[r.name])
         if r.optimizer is not Algorithm.MUON:
             if pattern is not None and patterns[pattern] is not None:
@@ -447,14 +477,23 @@ def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[s
                                  f"({r.reason}); blocks are Muon's: narrow the pattern")
             done.append(r)
             continue
+        shape = tuple(params[r.name].shape)
         if pattern is not None:
             given = patterns[pattern]
             sizes = None if given is None else tuple(given)
+        elif groups is not None:
+            sizes = (shape[0] // groups,) * groups
         else:
-            sizes = found[1] if split_fused and found is not None else None
+            sizes = fused[1] if fused is not None and (split_fused or (gates is not None and muon_nd)) else None
         if sizes is not None:
             _check_blocks(r, params[r.name], sizes, pattern, muon_nd)
-        done.append(replace(r, reason=_blocks_reason(r.reason, found, sizes, pattern), blocks=sizes))
+        if groups is not None:
+            reason = _groups_reason(r.reason, shape, groups, sizes, pattern)
+        elif gates is not None and pattern is None:
+            reason = _gates_reason(r.reason, gates, sizes)
+        else:
+            reason = _blocks_reason(r.reason, fused, sizes, pattern)
+        done.append(replace(r, reason=reason, blocks=sizes))
     return done
 
 
@@ -484,6 +523,26 @@ def _blocks_reason(reason: str, found: tuple[str, tuple[int, ...] | None] | None
         return f"{reason}; fused {what}, interleaved: orthogonalised whole"
     off = f"matrix_blocks {pattern!r}" if pattern else "split_fused=True splits it"
     return f"{reason}; fused {what} {'+'.join(map(str, found_sizes))}, orthogonalised whole ({off})"
+
+
+def _gates_reason(reason: str, gates: tuple[str, tuple[int, ...]], sizes: tuple[int, ...] | None) -> str:
+    """The reason of a recurrent layer's gate-stacked matrix on Muon that no pattern decided: split per gate (the
+    measured default), or whole where the Muon class cannot split (``torch.optim.Muon``)."""
+    what, gate_sizes = gates[0], "+".join(map(str, gates[1]))
+    if sizes is None:
+        return f"{reason}; fused {what} {gate_sizes}, orthogonalised whole (torch.optim.Muon cannot split)"
+    return f"{reason}; fused {what} {gate_sizes}: each gate orthogonalised alone (measured, benchmarks/torch_layers.py)"
+
+
+def _groups_reason(reason: str, shape: tuple[int, ...], groups: int, sizes: tuple[int, ...] | None,
+                   pattern: str | None) -> str:
+    """The reason of a grouped convolution's kernel on Muon, with how its groups are orthogonalised."""
+    cols = math.prod(shape[1:])
+    if sizes == (shape[0] // groups,) * groups:
+        return f"{reason}; each group orthogonalised alone as {shape[0] // groups}x{cols}"
+    if sizes is None:
+        return f"{reason}; orthogonalised whole as {shape[0]}x{cols}, across its groups (matrix_blocks {pattern!r})"
+    return _blocks_reason(reason, None, sizes, pattern)
 
 
 def _roles_from(graph: GraphRoles | None) -> str:

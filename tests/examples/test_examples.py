@@ -20,6 +20,7 @@ from lightning_muon.examples.char_gpt import GPT, CharGPT, StdlibTextDataModule
 from lightning_muon.examples.digits_cnn import CNN, DigitsCNN, DigitsDataModule
 from lightning_muon.examples.existing_module import MuonLightningTransformer, StdlibWindowsDataModule
 from lightning_muon.examples.parallel_gpt import TP_PLAN, CharParallelGPT, ParallelGPT
+from lightning_muon.examples.torch_layers import CharLSTM, SeparableCNN
 from lightning_muon.routing import ADAMW, MUON, route_parameters
 
 from helpers import make_trainer, read_metrics
@@ -364,7 +365,8 @@ def test_demo_transformer_trains_on_the_datamodule_and_never_downloads(tmp_path,
 
 # -------------------------------------------------------- the config surface
 
-CONFIGURABLE = [GPT, ParallelGPT, CNN, DigitsDataModule, StdlibTextDataModule, StdlibWindowsDataModule]
+CONFIGURABLE = [GPT, ParallelGPT, CNN, SeparableCNN, CharLSTM, DigitsDataModule, StdlibTextDataModule,
+                StdlibWindowsDataModule]
 
 
 @pytest.mark.parametrize("cls", CONFIGURABLE, ids=lambda c: c.__name__)

@@ -147,7 +147,7 @@ def test_gpt_init_from_refuses_a_missing_file_or_one_without_weights(tmp_path):
 def benchmark_modules(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     yield
-    for name in ("third_party", "finetune", "muon_variants", "_tuned", "_common", "_report"):
+    for name in ("third_party", "finetune", "muon_variants", "torch_layers", "_tuned", "_common", "_report"):
         sys.modules.pop(name, None)
 
 
@@ -202,3 +202,27 @@ def test_the_studies_configs_build_through_the_real_cli(tmp_path):
             routers = {r.optimizer for r in cli.model.muon_routing().routes if r.name.endswith("mlp.gate.weight")}
             assert routers == {"Muon"}, name
     assert len(written) >= 29
+
+
+@pytest.mark.usefixtures("benchmark_modules")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_torch_layers_sides_route_as_they_say(tmp_path):
+    """``benchmarks/torch_layers.py``'s sides, built through the real CLI: the depthwise kernels flattened, per group
+    or on AdamW; the LSTM's gates fused or split."""
+    import torch_layers
+
+    from lightning_muon.commands.lightning_cli import MuonCLI
+
+    expected = {"depthwise_flatten": ("Muon", None), "depthwise_groups": ("Muon", 32),
+                "depthwise_adamw": ("AdamW", None), "lstm_fused": ("Muon", None), "lstm_split": ("Muon", 4)}
+    for study, spec in torch_layers.STUDIES.items():
+        for side in spec["sides"]:
+            name = f"{study}_{side}"
+            config = torch_layers.config(spec, side, 5)
+            path = torch_layers._tuned.write_config(tmp_path / f"{name}.yaml", config, "a test")
+            routes = {r.name: r for r in MuonCLI(args=["--config", str(path), "--trainer.logger=false"],
+                                                 run=False).model.muon_routing().routes}
+            route = routes["blocks.0.0.weight" if study == "depthwise" else "lstm.weight_hh_l1"]
+            assert (str(route.optimizer), route.blocks and len(route.blocks)) == expected.pop(name), name
+    assert expected == {}
+

@@ -1,8 +1,8 @@
 """Fused projections orthogonalised per block (a param group's ``matrix_blocks``): each block of a fused tensor
 steps exactly, bit for bit, as a separate parameter holding that block would, in every layout (a 2D weight with
 unequal blocks as litgpt's ``qkv`` under grouped-query attention, ``in x out`` as GPT-2's ``c_attn``, stacks of
-experts ``E x out x in`` and ``E x in x out`` as a fused ``gate_up_proj``); the momentum buffer stays whole in
-the state; bad block sizes and sharded parameters are refused with the fix."""
+experts ``E x out x in`` and ``E x in x out`` as a fused ``gate_up_proj``, a grouped convolution's kernel); the
+momentum buffer stays whole in the state; bad block sizes and sharded parameters are refused with the fix."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ CASES = {
     "conv1d-c_attn": ("in_out", (32, 96), [32, 32, 32], 1),
     "moe-gate_up": ("stack", (4, 48, 32), [24, 24], 1),
     "moe-gate_up-in_out": ("stack_in_out", (4, 32, 48), [24, 24], 2),
+    "grouped-conv": ("flatten", (16, 4, 3, 3), [4, 4, 4, 4], 0),  # Conv2d(16, 16, 3, groups=4): 4x36 per group
 }
 
 
@@ -89,7 +90,10 @@ def test_blocks_on_a_sharded_parameter_are_refused(tmp_path):
     try:
         mesh = init_device_mesh("cpu", (1,))
         p = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
-        with pytest.raises(ValueError, match=r"not supported on a sharded \(DTensor\) parameter under FSDP2"):
+        refused = (r"a grouped convolution's groups\) is not supported on a sharded \(DTensor\) parameter under "
+                   r"FSDP2 or tensor parallelism; leave it whole \(its matrix_blocks None: route_parameters' or the "
+                   r"mixin's matrix_blocks=\{'<its name>': None\}")
+        with pytest.raises(ValueError, match=refused):
             Muon([{"params": [p], "matrix_blocks": [[3, 3]]}])
         Muon([{"params": [p], "matrix_blocks": [None]}])  # fused: as before
     finally:
@@ -164,6 +168,17 @@ def test_diagnostics_name_each_block_of_a_chosen_parameter():
     for ours, theirs in zip(opt.diagnostics, apart.diagnostics, strict=True):
         assert torch.equal(ours.orthogonality_error, theirs.orthogonality_error)
         assert (ours.effective_lr, ours.update_rms) == (theirs.effective_lr, theirs.update_rms)
+
+
+def test_equal_blocks_are_diagnosed_as_one_stack():
+    """Equal blocks (a grouped convolution's groups) step as one stack of views: one diagnostic for the parameter,
+    over all of its blocks, as for a stack of experts."""
+    kernel = torch.nn.Parameter(torch.randn(8, 2, 3, 3))
+    opt = Muon([{"params": [("conv", kernel)], "matrix_blocks": [[2, 2, 2, 2]]}], lr=0.02)
+    kernel.grad = torch.randn(8, 2, 3, 3)
+    opt.record_diagnostics()
+    opt.step()
+    assert [(d.name, d.shape) for d in opt.diagnostics] == [("conv", (8, 2, 3, 3))]
 
 
 def test_the_effective_lr_of_a_split_parameter_is_its_first_block_s():
