@@ -20,9 +20,9 @@ import lightning_muon
 
 PACKAGE = Path(lightning_muon.__file__).parent
 
-#: The public names of every public module, sorted: the three tiers that ``lightning_muon/__init__.py`` names (the
-#: top level, ``attention``, ``optim.groups``) and every subpackage's ``__all__``. Changing a name here is changing
-#: the API: do it on purpose.
+#: The public names of every public module, sorted: the tiers that ``lightning_muon/__init__.py`` names (the top
+#: level, ``attention``, ``optim.groups``, ``optim.rules``) and every subpackage's ``__all__``. Changing a name here
+#: is changing the API: do it on purpose.
 PUBLIC = {
     "lightning_muon": [
         "GraphRoles", "Muon", "MuonBackboneFinetuning", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics",
@@ -39,6 +39,9 @@ PUBLIC = {
         "describe_param", "dtype_name", "fan_shape", "group_effective_lr", "group_effective_lrs", "is_count",
         "layouts_of", "lr_value", "matrices_in", "matrix_shape", "ns_dtype", "ns_dtype_line", "ns_settings",
         "on_exact_path", "param_name", "row_moment_shape", "split_blocks", "update_rule", "uses_gram",
+    ],
+    "lightning_muon.optim.rules": [
+        "Bucket", "CautiousWeightDecay", "NorMuon", "UpdateRule", "register_rule", "rules_for",
     ],
     "lightning_muon.optim": [
         "AdamW", "Muon", "ParamDiagnostics", "StrategyInfo", "WarmupCosine", "adjust_lr", "groups",

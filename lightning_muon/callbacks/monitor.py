@@ -98,7 +98,7 @@ def _muon_of(optimizer: Optimizer) -> Optimizer:
 
 def _normuon_metrics(optimizers: list[Optimizer]) -> dict[str, float]:
     """The NorMuon keys from the second moments the optimizers hold (none without a NorMuon group). Every rank
-    holds every row's statistic (NorMuon runs on one process or DDP), so no reduction."""
+    holds every row's statistic (a plain tensor, whole on every rank, under every strategy), so no reduction."""
     moments = [
         optimizer.state[p][SECOND_MOMENT]
         for optimizer in optimizers

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_muon.optim import _precision
+from lightning_muon.optim import _precision, _registry
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -72,7 +72,8 @@ STACKED = ("stack", "stack_in_out")
 #: The layouts whose matrices are stored ``in x out`` (the lr's shape scaling reads them transposed).
 STORED_IN_OUT = ("in_out", "stack_in_out")
 
-#: The optimizer-state key of NorMuon's per-neuron second moment (`row_moment_shape`), beside ``momentum_buffer``.
+#: The optimizer-state key of NorMuon's per-neuron second moment (`row_moment_shape`), beside ``momentum_buffer``
+#: (`lightning_muon.optim.rules.NorMuon`).
 SECOND_MOMENT = "normuon_second_moment"
 #: Added to ``sqrt(v)`` before NorMuon divides a row by it (and the floor of the norm it rescales by), as dion.
 NORMUON_EPS = 1e-8
@@ -113,10 +114,9 @@ def row_moment_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten
 
 def update_rule(group: dict[str, Any]) -> str:
     """A param group's update rule in words: ``"Muon"``, or ``"NorMuon (normuon_beta2=0.95)"``, with
-    ``", cautious weight decay"`` where it is on (``torch.optim.Muon``'s groups: ``"Muon"``)."""
-    beta2 = group.get("normuon_beta2")
-    rule = "Muon" if beta2 is None else f"NorMuon (normuon_beta2={beta2:g})"
-    return rule + (", cautious weight decay" if group.get("cautious_weight_decay") else "")
+    ``", cautious weight decay"`` where it is on, and a rule of your own where the group selects it
+    (`lightning_muon.optim.rules`; ``torch.optim.Muon``'s groups: ``"Muon"``)."""
+    return _registry.words(group)
 
 
 def fan_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:
