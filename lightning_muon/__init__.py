@@ -99,4 +99,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    """The declared public surface (`__all__`), not the module's own imports and helpers."""
+    return sorted(__all__)

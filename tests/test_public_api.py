@@ -68,6 +68,12 @@ def test_every_public_module_exports_the_names_pinned_here():
     assert exported == PUBLIC
 
 
+def test_dir_of_the_package_lists_its_declared_surface_once():
+    """Not its own imports (``importlib``, ``logging``, ``Any``) or helpers, and a name loaded on first use once."""
+    assert lightning_muon.WarmupCosine is not None  # loaded: now in the module's globals too
+    assert dir(lightning_muon) == sorted(lightning_muon.__all__)
+
+
 def test_every_subpackage_declares_its_public_names():
     """A new subpackage is public or internal on purpose: in `PUBLIC` (with an ``__all__``), or named ``_...``.
     (``examples`` is where the installed wheel puts the top-level ``examples/``: example models and data.)"""
