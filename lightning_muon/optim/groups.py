@@ -8,7 +8,6 @@ update maths, `lightning_muon.MuonMonitor` and the Lightning config all read gro
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lightning_muon.optim import _precision, _registry
+from lightning_muon.optim._precision import dtype_name
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -201,19 +201,6 @@ def group_effective_lrs(group: dict[str, Any]) -> list[float]:
     return lrs
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: how param groups keep ``ns_dtype`` (distributed checkpoints
-    cannot save a ``torch.dtype``)."""
-    return str(dtype).removeprefix("torch.")
-
-
-@functools.cache
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."))
-    assert isinstance(dtype, torch.dtype)
-    return dtype
-
-
 def ns_dtype(group: dict[str, Any]) -> torch.dtype:
     """A group's Newton-Schulz dtype: stored by name (a torch.dtype from older state dicts works too); ``None``
     (`lightning_muon.Muon`'s default) leaves it to the hardware of the group's device (bf16 where native, else
@@ -222,7 +209,11 @@ def ns_dtype(group: dict[str, Any]) -> torch.dtype:
     if dtype is None:
         params = group["params"]
         return _precision.ns_dtype_for(params[0].device if params else torch.device("cpu"))
-    return dtype if isinstance(dtype, torch.dtype) else _dtype_from_name(dtype)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    named = _precision.dtype_named(dtype)
+    assert named is not None, f"ns_dtype {dtype!r} names no torch dtype"  # Muon keeps valid names only
+    return named
 
 
 def ns_dtype_line(optimizer: torch.optim.Optimizer | None) -> str | None:

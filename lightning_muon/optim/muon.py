@@ -115,7 +115,7 @@ def _group_defaults(arguments: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
     ns_dtype = arguments["ns_dtype"]
     if isinstance(ns_dtype, str):  # "bfloat16" or "torch.bfloat16", as YAML and saved hparams spell it
-        ns_dtype = getattr(torch, ns_dtype.removeprefix("torch."), ns_dtype)
+        ns_dtype = _precision.dtype_named(ns_dtype) or ns_dtype  # an unknown name stays, to be refused
     for name, (what, valid, must) in _CHECKS.items():
         value = ns_dtype if name == "ns_dtype" else arguments[name]
         if not valid(value):
@@ -124,7 +124,7 @@ def _group_defaults(arguments: dict[str, Any]) -> dict[str, Any]:
     return {
         **arguments,
         "ns_coefficients": coefficients if isinstance(coefficients, str) else tuple(coefficients),
-        "ns_dtype": None if ns_dtype is None else groups.dtype_name(ns_dtype),
+        "ns_dtype": None if ns_dtype is None else _precision.dtype_name(ns_dtype),
     }
 
 
