@@ -29,6 +29,7 @@ __all__ = [
     "adjust_lr",
     "batch_cap",
     "block_dim",
+    "blocks_cover",
     "blocks_of",
     "describe_param",
     "dtype_name",
@@ -140,6 +141,13 @@ def block_dim(layout: str) -> int:
     projection's blocks split (a param group's ``matrix_blocks``): 0, or 1 for ``"in_out"``, -2 for ``"stack"``,
     -1 for ``"stack_in_out"``."""
     return {"in_out": 1, "stack": -2, "stack_in_out": -1}.get(layout, 0)
+
+
+def blocks_cover(shape: torch.Size | tuple[int, ...], layout: str, sizes: Any) -> bool:
+    """Whether ``sizes`` (a ``matrix_blocks`` entry) are positive block sizes that add up to the output rows (dim
+    `block_dim`) of a parameter of this shape and layout: the check before a split, for `lightning_muon.Muon` and
+    `lightning_muon.route_parameters` alike."""
+    return not isinstance(sizes, str) and all(is_count(s) for s in sizes) and sum(sizes) == shape[block_dim(layout)]
 
 
 def blocks_of(group: dict[str, Any]) -> list[list[int] | None]:

@@ -181,8 +181,8 @@ def _block_refusal(p: Tensor, layout: str, sizes: Any) -> str | None:
     """Why Muon cannot split ``p`` into these row blocks (a param group's ``matrix_blocks`` entry), or ``None``."""
     if sizes is None:
         return None
-    rows = p.shape[groups.block_dim(layout)] if p.ndim >= 2 else 0
-    if isinstance(sizes, str) or not all(is_count(s) for s in sizes) or sum(sizes) != rows:
+    if not groups.blocks_cover(p.shape, layout, sizes):
+        rows = p.shape[groups.block_dim(layout)]
         return (
             f"its matrix_blocks {sizes!r} must be positive block sizes that add up to its {rows} output rows "
             f"(dim {groups.block_dim(layout)} for the layout {layout!r})."
