@@ -40,6 +40,7 @@ PUBLIC = {
         "layouts_of", "lr_value", "matrices_in", "matrix_shape", "ns_dtype", "ns_dtype_line", "ns_settings",
         "on_exact_path", "param_name", "row_moment_shape", "split_blocks", "update_rule", "uses_gram",
     ],
+    "lightning_muon.optim.norms": ["any_rank", "by_mesh", "clip_value_", "clip_with_norm_", "is_finite", "total_norm"],
     "lightning_muon.optim.rules": [
         "Bucket", "CautiousWeightDecay", "NorMuon", "UpdateRule", "register_rule", "rules_for",
     ],

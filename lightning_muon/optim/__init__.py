@@ -9,7 +9,8 @@ rank orthogonalises which matrices, exchange rounds), ``_strategies`` (local, DD
 rules and name none), ``_choice`` (which strategy, said once, and `StrategyInfo`, what `Muon.strategy` tells of it),
 `muon` (the optimizer class), `adamw` (torch's AdamW with cautious weight decay, for the pair's other half).
 ``_precision`` (the Newton-Schulz dtype by hardware, agreed across ranks) and ``_registry`` (the rules by their group
-key) serve `groups`; ``_dtensor`` (is a tensor a DTensor?) sits under them all, `schedulers` stands apart.
+key) serve `groups`; ``_dtensor`` (is a tensor a DTensor?) and `norms` (norms, clipping and rank agreement over
+tensors and DTensors, which the mixin's update loop imports too) sit under them all, `schedulers` stands apart.
 Nothing here imports Lightning (``tests/test_layout.py`` checks it).
 """
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_muon.optim._norms import any_rank
+from lightning_muon.optim.norms import any_rank
 
 _log = logging.getLogger("lightning_muon")
 

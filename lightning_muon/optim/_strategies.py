@@ -48,7 +48,6 @@ from lightning_muon.optim._collectives import (
     make_agreement,
     scatter_from_owners,
 )
-from lightning_muon.optim._norms import any_rank
 from lightning_muon.optim._plan import (
     Job,
     PlanCache,
@@ -56,6 +55,7 @@ from lightning_muon.optim._plan import (
     in_bucket_order,
     plan_jobs,
 )
+from lightning_muon.optim.norms import any_rank
 from lightning_muon.optim.rules import UpdateRule, rules_for
 
 #: The most bytes one FSDP2 exchange buffer holds per rank by default (a round of exchanges stays within it,
