@@ -34,8 +34,9 @@ PUBLIC = {
         "clip_factors", "find_attention", "max_attention_logits", "qk_clip_", "record_qk",
     ],
     "lightning_muon.optim.groups": [
-        "ADJUST_LR_FNS", "DEFAULT_BATCH_BYTES", "DEFAULT_BATCH_BYTES_ACCELERATOR", "LAYOUTS", "NORMUON_EPS",
-        "SECOND_MOMENT", "STACKED", "STORED_IN_OUT", "adjust_lr", "batch_cap", "block_dim", "blocks_cover", "blocks_of",
+        "ADJUST_LR_FNS", "DEFAULT_BATCH_BYTES", "DEFAULT_BATCH_BYTES_ACCELERATOR", "LAYOUTS", "MATRIX_BLOCKS",
+        "MATRIX_LAYOUTS", "NAME", "NORMUON_EPS", "PARAM_NAMES", "SECOND_MOMENT", "STACKED", "STORED_IN_OUT",
+        "adjust_lr", "batch_cap", "block_dim", "blocks_cover", "blocks_of",
         "describe_param", "dtype_name", "fan_shape", "group_effective_lr", "group_effective_lrs", "is_count",
         "layouts_of", "lr_value", "matrices_in", "matrix_shape", "ns_dtype", "ns_dtype_line", "ns_settings",
         "on_exact_path", "param_name", "row_moment_shape", "split_blocks", "update_rule", "uses_gram",

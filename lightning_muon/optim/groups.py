@@ -22,7 +22,11 @@ __all__ = [
     "DEFAULT_BATCH_BYTES",
     "DEFAULT_BATCH_BYTES_ACCELERATOR",
     "LAYOUTS",
+    "MATRIX_BLOCKS",
+    "MATRIX_LAYOUTS",
+    "NAME",
     "NORMUON_EPS",
+    "PARAM_NAMES",
     "SECOND_MOMENT",
     "STACKED",
     "STORED_IN_OUT",
@@ -51,6 +55,18 @@ __all__ = [
     "update_rule",
     "uses_gram",
 ]
+
+#: The keys of a Muon param group beside its settings, the contract between `lightning_muon.route_parameters` (which
+#: writes them), the optimizers and the pair (which read them): the group's name (``lr-Muon/<name>`` in the logs),
+#: its parameters' names (torch's ``param_names``, from ``(name, tensor)`` pairs), their matrix layouts (`LAYOUTS`,
+#: one per parameter) and their row blocks (``None`` or sizes, one per parameter: `split_blocks`).
+NAME = "name"
+#: See `NAME`.
+PARAM_NAMES = "param_names"
+#: See `NAME`.
+MATRIX_LAYOUTS = "matrix_layouts"
+#: See `NAME`.
+MATRIX_BLOCKS = "matrix_blocks"
 
 #: Accepted values of ``adjust_lr_fn`` (``None`` means ``"original"``).
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral", "none")
@@ -133,7 +149,7 @@ def matrices_in(shape: torch.Size | tuple[int, ...], layout: str = "flatten") ->
 
 def layouts_of(group: dict[str, Any]) -> list[str]:
     """The layout of each parameter of a param group (``"flatten"`` where the group names none)."""
-    return group.get("matrix_layouts") or ["flatten"] * len(group["params"])
+    return group.get(MATRIX_LAYOUTS) or ["flatten"] * len(group["params"])
 
 
 def block_dim(layout: str) -> int:
@@ -152,7 +168,7 @@ def blocks_cover(shape: torch.Size | tuple[int, ...], layout: str, sizes: Any) -
 
 def blocks_of(group: dict[str, Any]) -> list[list[int] | None]:
     """The row blocks of each parameter of a param group (its ``matrix_blocks``; ``None``: one matrix, fused)."""
-    return group.get("matrix_blocks") or [None] * len(group["params"])
+    return group.get(MATRIX_BLOCKS) or [None] * len(group["params"])
 
 
 def split_blocks(tensor: Tensor, layout: str, sizes: list[int] | None) -> list[Tensor]:
@@ -272,11 +288,11 @@ def batch_cap(group: dict[str, Any], device: torch.device) -> int:
 def describe_param(group: dict[str, Any], i: int, index: int) -> str:
     """``parameter `name` (index 3)`` for messages (``i``: the position in the group, ``index``: in the
     optimizer); the index alone when the group has no names."""
-    names = group.get("param_names")
+    names = group.get(PARAM_NAMES)
     return f"parameter `{names[i]}` (index {index})" if names else f"parameter {index}"
 
 
 def param_name(group: dict[str, Any], i: int, index: int) -> str:
     """The name diagnostics give a parameter: its ``param_names`` entry, else ``<group name>.<index>``."""
-    names = group.get("param_names")
-    return names[i] if names else f"{group.get('name', 'params')}.{index}"
+    names = group.get(PARAM_NAMES)
+    return names[i] if names else f"{group.get(NAME, 'params')}.{index}"

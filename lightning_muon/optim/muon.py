@@ -132,13 +132,13 @@ def _check_group(group: dict[str, Any], first_index: int, choice: StrategyChoice
     """Refuse a param group Muon cannot take (`Muon.add_param_group`): a per-parameter list of the wrong length, an
     update rule's bad setting, two rules that each decay, a parameter it cannot step (named)."""
     count = len(group["params"])
-    layouts = group.get("matrix_layouts")
+    layouts = group.get(groups.MATRIX_LAYOUTS)
     if layouts is not None and (isinstance(layouts, str) or len(layouts) != count):
         raise ValueError(
             f"matrix_layouts must be a list with one of {groups.LAYOUTS} per parameter of the group ({count}), "
             f"got {layouts!r}"
         )
-    blocks = group.get("matrix_blocks")
+    blocks = group.get(groups.MATRIX_BLOCKS)
     if blocks is not None and (isinstance(blocks, str) or len(blocks) != count):
         raise ValueError(
             f"matrix_blocks must be a list with None or a list of block sizes per parameter of the group ({count}), "

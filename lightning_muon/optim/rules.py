@@ -36,15 +36,23 @@ from torch import Tensor
 from lightning_muon.optim import _registry
 from lightning_muon.optim._bucket import Bucket
 from lightning_muon.optim._dtensor import local_slices
-from lightning_muon.optim.groups import NORMUON_EPS, SECOND_MOMENT, STORED_IN_OUT, row_moment_shape
+from lightning_muon.optim.groups import (
+    MATRIX_BLOCKS,
+    MATRIX_LAYOUTS,
+    NAME,
+    NORMUON_EPS,
+    PARAM_NAMES,
+    SECOND_MOMENT,
+    STORED_IN_OUT,
+    row_moment_shape,
+)
 
 __all__ = ["Bucket", "CautiousWeightDecay", "NorMuon", "UpdateRule", "register_rule", "rules_for"]
 
 #: The param-group keys of `lightning_muon.Muon` itself (a rule cannot take one of them as its key).
 _MUON_KEYS = frozenset({
     "params", "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn",
-    "ns_dtype", "ns_batch_bytes", "ns_gram_aspect", "name", "param_names", "matrix_layouts", "matrix_blocks",
-    "algorithm",
+    "ns_dtype", "ns_batch_bytes", "ns_gram_aspect", NAME, PARAM_NAMES, MATRIX_LAYOUTS, MATRIX_BLOCKS, "algorithm",
 })
 
 
