@@ -1,5 +1,6 @@
 """What one step works on: the `Bucket` (same-shape matrices of one param group, orthogonalised in one Newton-Schulz
-call), and what a step reports of each matrix (`ParamDiagnostics`).
+call) with its group's `GroupSettings` (resolved once a step), and what a step reports of each matrix
+(`ParamDiagnostics`).
 
 The ground that the update rules (`lightning_muon.optim.rules`), the update maths (``_update``), the plan and the
 strategies stand on.
@@ -11,17 +12,27 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
+import torch
 from torch import Tensor
 
 from lightning_muon.optim._collectives import ExchangeLayout
 from lightning_muon.optim._dtensor import is_dtensor, matrix_parts
-from lightning_muon.optim.groups import group_effective_lr, ns_dtype, uses_gram
+from lightning_muon.optim.groups import (
+    batch_cap,
+    blocks_of,
+    group_effective_lr,
+    layouts_of,
+    ns_dtype,
+    ns_settings,
+    on_exact_path,
+    uses_gram,
+)
 from lightning_muon.optim.newton_schulz import ns_flops
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["NO_STATES", "Bucket", "Chooser", "ParamDiagnostics"]
+__all__ = ["NO_STATES", "Bucket", "Chooser", "GroupSettings", "ParamDiagnostics", "settings_of"]
 
 #: Which parameters a step diagnoses (`Muon.record_diagnostics`).
 Chooser = Callable[[Tensor], bool]
@@ -49,6 +60,38 @@ class ParamDiagnostics(NamedTuple):
     update_rms: Tensor
 
 
+class GroupSettings(NamedTuple):
+    """What a step reads of a param group, resolved once a step (`settings_of`, after the ranks agreed on the
+    Newton-Schulz dtype) and handed down with each of the group's buckets: no stage goes back to the group for it."""
+
+    #: The group itself (for what a step reads of it only where it is used: ``lr``, ``momentum``, the rules' keys).
+    group: dict[str, Any]
+    #: The Newton-Schulz dtype (`lightning_muon.optim.groups.ns_dtype`: the hardware's where the group leaves it).
+    ns_dtype: torch.dtype
+    #: The Newton-Schulz kernels' keyword arguments (`lightning_muon.optim.groups.ns_settings`).
+    ns_kwargs: dict[str, Any]
+    #: The group steps exactly as ``torch.optim.Muon`` (`lightning_muon.optim.groups.on_exact_path`).
+    exact: bool
+    #: Each parameter's matrix layout and row blocks (`lightning_muon.optim.groups.layouts_of`, ``blocks_of``).
+    layouts: list[str]
+    blocks: list[list[int] | None]
+
+    def uses_gram(self, shape: tuple[int, int]) -> bool:
+        """Whether the group's ``m x n`` matrices go through Gram Newton-Schulz (`groups.uses_gram`)."""
+        return uses_gram(self.group, shape)
+
+    def batch_cap(self, device: torch.device) -> int:
+        """The most bytes of one batched Newton-Schulz call on ``device`` (`groups.batch_cap`)."""
+        return batch_cap(self.group, device)
+
+
+def settings_of(group: dict[str, Any]) -> GroupSettings:
+    """A param group's `GroupSettings` (its Newton-Schulz dtype decided by hardware where it leaves it: resolve them
+    after `lightning_muon.optim._precision.settle`)."""
+    return GroupSettings(group, ns_dtype(group), ns_settings(group), on_exact_path(group), layouts_of(group),
+                         blocks_of(group))
+
+
 class Bucket(NamedTuple):
     """Same-shape matrices of one param group, orthogonalised in one (batched) Newton-Schulz call.
 
@@ -72,6 +115,13 @@ class Bucket(NamedTuple):
     #: The update rules' state (`lightning_muon.optim.rules.UpdateRule.state_keys`): by state key, one tensor per
     #: parameter of the bucket (as the optimizer state holds it, or a block's view of it); empty for plain Muon.
     states: Mapping[str, Sequence[Tensor]] = NO_STATES
+    #: The group's settings as the step resolved them (`settings_of`); ``None``: resolved when read (`settings`).
+    resolved: GroupSettings | None = None
+
+    @property
+    def settings(self) -> GroupSettings:
+        """The group's settings for this step (`resolved`, or resolved now for a bucket built without them)."""
+        return settings_of(self.group) if self.resolved is None else self.resolved
 
     @property
     def effective_lr(self) -> float:
@@ -82,8 +132,9 @@ class Bucket(NamedTuple):
     @property
     def flops(self) -> int:
         """Newton-Schulz FLOPs of the whole bucket (what owner assignment balances)."""
-        gram = uses_gram(self.group, self.shape)
-        flops = ns_flops(*self.shape, self.group["ns_steps"], gram=gram, dtype=ns_dtype(self.group))
+        settings = self.settings
+        gram = settings.uses_gram(self.shape)
+        flops = ns_flops(*self.shape, self.group["ns_steps"], gram=gram, dtype=settings.ns_dtype)
         return flops * len(self.params) * self.per_param
 
     @property
@@ -93,7 +144,7 @@ class Bucket(NamedTuple):
         some are not plain row shards (tensor parallelism, 2-D: `matrix_parts`)."""
         m, n = self.shape
         cuts = tuple(matrix_parts(p) for p in self.params)
-        layout = ExchangeLayout(len(self.params), (m * self.per_param, n), ns_dtype(self.group))
+        layout = ExchangeLayout(len(self.params), (m * self.per_param, n), self.settings.ns_dtype)
         return layout if all(cut is None for cut in cuts) else layout._replace(cuts=cuts)
 
     def local(self) -> Bucket:

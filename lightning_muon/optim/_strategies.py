@@ -301,7 +301,7 @@ class ShardedStep(DistributedStep):
         owners = [job.owner for job in jobs]
         layouts = [buckets[job.bucket].subset(job.indices).exchange_layout for job in jobs]
         whole = gather_to_owners(shards, owners, layouts, self.world, self.buffers)
-        results = {j: _update.orthogonalise(buckets[jobs[j].bucket].group, stack) for j, stack in whole.items()}
+        results = {j: _update.orthogonalise(buckets[jobs[j].bucket].settings, stack) for j, stack in whole.items()}
         self.ns_flops += sum(buckets[jobs[j].bucket].subset(jobs[j].indices).flops for j in whole)
         device = local[0].params[0].device
         statistics = self._rule_statistics(buckets, jobs, results, device)

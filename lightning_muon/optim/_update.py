@@ -20,23 +20,16 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
-from lightning_muon.optim._bucket import Bucket, Chooser, ParamDiagnostics
+from lightning_muon.optim._bucket import Bucket, Chooser, GroupSettings, ParamDiagnostics, settings_of
 from lightning_muon.optim._dtensor import is_dtensor
 from lightning_muon.optim.groups import (
     STACKED,
-    batch_cap,
-    blocks_of,
     describe_param,
-    layouts_of,
     lr_value,
     matrices_in,
     matrix_shape,
-    ns_dtype,
-    ns_settings,
-    on_exact_path,
     param_name,
     split_blocks,
-    uses_gram,
 )
 from lightning_muon.optim.newton_schulz import (
     gram_newton_schulz,
@@ -53,7 +46,7 @@ MOMENTUM_BUFFER = "momentum_buffer"
 
 
 def bucket_indices(
-    group: dict[str, Any],
+    settings: GroupSettings,
     params: list[Tensor],
     whole_dtensors: bool = True,
     synced: bool = False,
@@ -75,9 +68,9 @@ def bucket_indices(
         key = (shape, layout, p.dtype, grad_dtype, p.device)
         same[(*key, k) if whole_dtensors and is_dtensor(p) else key].append(k)
     buckets: list[list[int]] = []
-    itemsize = ns_dtype(group).itemsize
+    itemsize = settings.ns_dtype.itemsize
     for (shape, _, _, _, device, *_), ks in same.items():
-        per_call = max(1, batch_cap(group, device) // (math.prod(shape) * itemsize))
+        per_call = max(1, settings.batch_cap(device) // (math.prod(shape) * itemsize))
         buckets.extend(ks[i : i + per_call] for i in range(0, len(ks), per_call))
     return buckets
 
@@ -104,14 +97,15 @@ def collect_buckets(
     A flagged parameter without a gradient (it has one on another rank) steps with zeros; momentum
     buffers and the group's update rules' state are created in ``state`` (the optimizer's) on first use, for
     every parameter with ``complete`` (`init_state`). ``named`` fills in the parameter names (for diagnostics).
+    Each group's settings are resolved here, once a step (`settings_of`), and handed down with its buckets.
     """
     buckets, index = [], 0
     for group in param_groups:
         params, grads, bufs, names, layouts = [], [], [], [], []
-        rules = rules_for(group)
+        rules, settings = rules_for(group), settings_of(group)
         keys = [key for rule in rules for key in rule.state_keys]
         states: dict[str, list[Tensor]] = {key: [] for key in keys}
-        group_layouts, group_blocks = layouts_of(group), blocks_of(group)
+        group_layouts, group_blocks = settings.layouts, settings.blocks
         for i, p in enumerate(group["params"]):
             if complete:  # a zero state steps exactly as a fresh one when a gradient comes
                 init_state(state[p], p, p, group_layouts[i], rules)
@@ -133,12 +127,12 @@ def collect_buckets(
                 names.append(f"{name}[{k}]" if named and sizes else name)
                 layouts.append(layout)
         index += len(group["params"])
-        for ks in bucket_indices(group, params, whole_dtensors=whole_dtensors, synced=synced, layouts=layouts):
+        for ks in bucket_indices(settings, params, whole_dtensors=whole_dtensors, synced=synced, layouts=layouts):
             pick = [params[k] for k in ks], [grads[k] for k in ks], [bufs[k] for k in ks], [names[k] for k in ks]
             layout, shape = layouts[ks[0]], params[ks[0]].shape
             picked = {key: [tensors[k] for k in ks] for key, tensors in states.items()}
             matrices = matrix_shape(shape, layout), layout, matrices_in(shape, layout)
-            buckets.append(Bucket(group, *pick, *matrices, picked))
+            buckets.append(Bucket(group, *pick, *matrices, picked, settings))
     return buckets
 
 
@@ -174,15 +168,15 @@ def momentum(bucket: Bucket) -> list[Tensor]:
     return nesterov_input(bucket)
 
 
-def orthogonalise(group: dict[str, Any], matrices: Tensor) -> Tensor:
+def orthogonalise(settings: GroupSettings, matrices: Tensor) -> Tensor:
     """Newton-Schulz of a ``(k, m, n)`` stack with a param group's settings, in one call: Gram Newton-Schulz
     where `uses_gram`, else the standard iteration. A lone matrix (``k == 1``) takes the 2D path, whose
     kernels are ``torch.optim.Muon``'s (bit-identical results). Returns ``(k, m, n)`` in ``ns_dtype``."""
-    gram = uses_gram(group, (matrices.size(-2), matrices.size(-1)))
+    gram = settings.uses_gram((matrices.size(-2), matrices.size(-1)))
     iterate = gram_newton_schulz if gram else zeropower_via_newtonschulz
     if len(matrices) == 1:
-        return iterate(matrices[0], **ns_settings(group)).unsqueeze(0)
-    return iterate(matrices, **ns_settings(group))
+        return iterate(matrices[0], **settings.ns_kwargs).unsqueeze(0)
+    return iterate(matrices, **settings.ns_kwargs)
 
 
 def orthogonalise_buckets(buckets: Sequence[Bucket], updates: Sequence[list[Tensor]]) -> list[list[Tensor]]:
@@ -204,7 +198,7 @@ def _orthogonalise_whole(bucket: Bucket, update: DTensor) -> Tensor:
     shard of the result (every rank computes the same full matrix)."""
     from torch.distributed.tensor import distribute_tensor
 
-    full = orthogonalise(bucket.group, update.full_tensor().reshape(-1, *bucket.shape))
+    full = orthogonalise(bucket.settings, update.full_tensor().reshape(-1, *bucket.shape))
     return distribute_tensor(full.reshape(update.shape), update.device_mesh, update.placements, src_data_rank=None)
 
 
@@ -212,7 +206,7 @@ def _orthogonalise_as_stored(bucket: Bucket, updates: list[Tensor]) -> list[Tens
     """The bucket's matrices one after another, as the parameters hold them (a stack's matrices together)."""
     matrices = (-1, *bucket.shape)
     stack = updates[0].reshape(matrices) if len(updates) == 1 else torch.cat([u.reshape(matrices) for u in updates])
-    orthogonal = orthogonalise(bucket.group, stack)
+    orthogonal = orthogonalise(bucket.settings, stack)
     if bucket.per_param == 1:
         return list(orthogonal.unbind(0))
     return list(orthogonal.reshape(len(updates), bucket.per_param, *bucket.shape).unbind(0))
@@ -222,7 +216,7 @@ def _orthogonalise_wide(buckets: Sequence[Bucket], updates: Sequence[list[Tensor
     """One batched call on a stack of the matrices in their wide orientation: one pass casts (and transposes
     the tall ones) into the stack, so every matmul of the iteration reads contiguous wide matrices (torch.stack,
     then a cast, measured a second full copy; transposed operands, more copies inside the matmuls)."""
-    group, (m, n) = buckets[0].group, buckets[0].shape
+    settings, (m, n) = buckets[0].settings, buckets[0].shape
     wide = (min(m, n), max(m, n))
     tall = [b.shape[0] > b.shape[1] for b in buckets]
     sources = [
@@ -230,9 +224,9 @@ def _orthogonalise_wide(buckets: Sequence[Bucket], updates: Sequence[list[Tensor
         for b, us, t in zip(buckets, updates, tall, strict=True)
         for u in us
     ]
-    stack = torch.empty(len(sources), *wide, dtype=ns_dtype(group), device=sources[0].device)
+    stack = torch.empty(len(sources), *wide, dtype=settings.ns_dtype, device=sources[0].device)
     torch._foreach_copy_(list(stack.unbind(0)), sources)
-    orthogonal = orthogonalise(group, stack).unbind(0)
+    orthogonal = orthogonalise(settings, stack).unbind(0)
     results, start = [], 0
     for us, t in zip(updates, tall, strict=True):
         results.append([o.mT if t else o for o in orthogonal[start : start + len(us)]])
@@ -248,14 +242,14 @@ def ns_batches(buckets: Sequence[Bucket]) -> list[list[int]]:
     batches: list[list[int]] = []
     open_batches: dict[tuple, tuple[list[int], int]] = {}
     for j, bucket in enumerate(buckets):
-        group, (m, n) = bucket.group, bucket.shape
-        if bucket.per_param != 1 or on_exact_path(group) or is_dtensor(bucket.params[0]):
+        group, settings, (m, n) = bucket.group, bucket.settings, bucket.shape
+        if bucket.per_param != 1 or settings.exact or is_dtensor(bucket.params[0]):
             batches.append([j])
             continue
         device = bucket.params[0].device
         key = (id(group), min(m, n), max(m, n), device)
-        nbytes = len(bucket.params) * m * n * ns_dtype(group).itemsize
-        if key in open_batches and open_batches[key][1] + nbytes <= batch_cap(group, device):
+        nbytes = len(bucket.params) * m * n * settings.ns_dtype.itemsize
+        if key in open_batches and open_batches[key][1] + nbytes <= settings.batch_cap(device):
             batch, used = open_batches[key]
             batch.append(j)
             open_batches[key] = (batch, used + nbytes)
@@ -373,5 +367,6 @@ def preview_update(group: dict[str, Any], grad: Tensor, buf: Tensor | None) -> T
         bufs=[torch.zeros_like(grad) if buf is None else buf.clone()],
         names=[""],
         shape=matrix_shape(grad.shape),
+        resolved=settings_of(group),
     )
     return orthogonalise_buckets([bucket], [momentum(bucket)])[0][0].float()

@@ -406,6 +406,7 @@ class Muon(Optimizer):
         stacks = any(layout in groups.STACKED for group in self.param_groups for layout in groups.layouts_of(group))
         strategy = self._choice.for_step(every, self.split_ns, stacks)
         _precision.settle(self.param_groups, self._choice.process_group)  # ns_dtype=None: by hardware, ranks agreed
+        # The buckets carry each group's settings, resolved once (`_bucket.settings_of`), to every stage.
         diagnostics = strategy.run(strategy.buckets(self.param_groups, self.state, diagnose is not None), diagnose)
         self.last_exchange_bytes = strategy.exchanged_bytes
         if diagnose is not None:
