@@ -1,13 +1,15 @@
 """lightning_muon: the Muon optimizer as a one-line change for PyTorch Lightning.
 
-The public API, in three tiers (named here and nowhere else; ``tests/test_public_api.py`` pins their names):
+The public API, in four tiers (named here and nowhere else; ``tests/test_public_api.py`` pins their names):
 
 1. this module, ``lightning_muon.__all__``: the optimizer (`Muon`, `MuonWithAdamW`), the mixin, the callbacks,
    the routing and the Newton-Schulz functions;
 2. ``lightning_muon.attention``: QK-Clip in plain PyTorch (`QKClipper`), and the adapter (`QKLayout`,
    `QKProjection`, `record_qk`) that teaches it an attention it does not know;
 3. ``lightning_muon.optim.groups``: what a param group's settings mean (shapes, layouts, the effective lr, the
-   Newton-Schulz dtype and path), for code that reads the optimizers' param groups.
+   Newton-Schulz dtype and path), for code that reads the optimizers' param groups;
+4. ``lightning_muon.optim.rules``: the update rules (NorMuon, cautious weight decay), one class each, and
+   `register_rule` for a rule of your own.
 
 The names these hand out are public with them (`Muon.strategy`'s ``lightning_muon.optim.StrategyInfo``). Each
 subpackage declares in its ``__all__`` what it exports to the tiers and to the subpackages above it; everything
@@ -97,4 +99,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    """The declared public surface (`__all__`), not the module's own imports and helpers."""
+    return sorted(__all__)

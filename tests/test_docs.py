@@ -420,12 +420,13 @@ def test_the_mixin_s_example_on_its_api_page_trains(monkeypatch, tmp_path, capsy
 
 #: The pages whose Python blocks the tests run, and how many each has: the guides' in the tests that read them
 #: (tests/test_readme.py, tests/optim/test_one_optimizer_readme.py, tests/attention/test_qk_readme.py,
-#: tests/routing/test_routing_guide.py, tests/test_migration.py, tests/test_getting_started.py: the getting-started
+#: tests/optim/test_user_rules.py, tests/routing/test_routing_guide.py, tests/test_migration.py,
+#: tests/test_getting_started.py: the getting-started
 #: page and the README's ten lines), and the API pages' import lines here.
 RUN_BY_TESTS = {"guides/plain-pytorch.md": 2, "guides/one-optimizer.md": 3, "guides/qk-clip.md": 2,
-                "guides/routing.md": 1, "guides/migration.md": 7, "index.md": 3, "api/optimizers.md": 1,
-                "api/lightning.md": 2, "api/maths.md": 1, "api/routing.md": 1, "api/attention.md": 1,
-                "api/groups.md": 1}
+                "guides/routing.md": 1, "guides/migration.md": 7, "guides/optimizer.md": 2, "index.md": 3,
+                "api/optimizers.md": 1, "api/lightning.md": 2, "api/maths.md": 1, "api/routing.md": 1,
+                "api/attention.md": 1, "api/groups.md": 1}
 
 
 def test_every_python_block_is_run_by_a_test():

@@ -40,9 +40,9 @@ TORCH_ONLY = ("lightning_muon.optim", "lightning_muon.routing", "lightning_muon.
 COMPAT = "lightning_muon.lightning._compat"
 #: The one module that reads torch's private DTensor API.
 DTENSOR = "lightning_muon.optim._dtensor"
-#: The private modules any subpackage may import: Lightning's private API (`COMPAT`), torch's private DTensor API
-#: (`DTENSOR`), and norms and rank agreement over tensors and DTensors (timm's ``_helpers.py`` is the model).
-FENCED = {COMPAT, DTENSOR, "lightning_muon.optim._norms"}
+#: The private modules any subpackage may import: Lightning's private API (`COMPAT`) and torch's private DTensor API
+#: (`DTENSOR`) (timm's ``_helpers.py`` is the model; norms and rank agreement are public: ``optim/norms.py``).
+FENCED = {COMPAT, DTENSOR}
 #: torch's private DTensor names (attributes, functions, classes), and FSDP1's mark on what it flattened, that only
 #: `DTENSOR` may use.
 TORCH_PRIVATE_DTENSOR = ("_StridedShard", "_compute_local_shape_and_global_offset", "_local_tensor", "_spec",
@@ -206,7 +206,7 @@ def test_lightning_private_api_is_used_only_in_compat():
 
 
 def subpackage(module: str) -> str:
-    """``lightning_muon.optim._norms`` -> ``lightning_muon.optim``; the top level for itself."""
+    """``lightning_muon.optim._dtensor`` -> ``lightning_muon.optim``; the top level for itself."""
     return ".".join(module.split(".")[:2])
 
 

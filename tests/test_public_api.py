@@ -20,9 +20,9 @@ import lightning_muon
 
 PACKAGE = Path(lightning_muon.__file__).parent
 
-#: The public names of every public module, sorted: the three tiers that ``lightning_muon/__init__.py`` names (the
-#: top level, ``attention``, ``optim.groups``) and every subpackage's ``__all__``. Changing a name here is changing
-#: the API: do it on purpose.
+#: The public names of every public module, sorted: the tiers that ``lightning_muon/__init__.py`` names (the top
+#: level, ``attention``, ``optim.groups``, ``optim.rules``) and every subpackage's ``__all__``. Changing a name here
+#: is changing the API: do it on purpose.
 PUBLIC = {
     "lightning_muon": [
         "GraphRoles", "Muon", "MuonBackboneFinetuning", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics",
@@ -34,11 +34,16 @@ PUBLIC = {
         "clip_factors", "find_attention", "max_attention_logits", "qk_clip_", "record_qk",
     ],
     "lightning_muon.optim.groups": [
-        "ADJUST_LR_FNS", "DEFAULT_BATCH_BYTES", "DEFAULT_BATCH_BYTES_ACCELERATOR", "LAYOUTS", "NORMUON_EPS",
-        "SECOND_MOMENT", "STACKED", "STORED_IN_OUT", "adjust_lr", "batch_cap", "block_dim", "blocks_of",
+        "ADJUST_LR_FNS", "DEFAULT_BATCH_BYTES", "DEFAULT_BATCH_BYTES_ACCELERATOR", "LAYOUTS", "MATRIX_BLOCKS",
+        "MATRIX_LAYOUTS", "NAME", "NORMUON_EPS", "PARAM_NAMES", "SECOND_MOMENT", "STACKED", "STORED_IN_OUT",
+        "adjust_lr", "batch_cap", "block_dim", "blocks_cover", "blocks_of",
         "describe_param", "dtype_name", "fan_shape", "group_effective_lr", "group_effective_lrs", "is_count",
         "layouts_of", "lr_value", "matrices_in", "matrix_shape", "ns_dtype", "ns_dtype_line", "ns_settings",
         "on_exact_path", "param_name", "row_moment_shape", "split_blocks", "update_rule", "uses_gram",
+    ],
+    "lightning_muon.optim.norms": ["any_rank", "by_mesh", "clip_value_", "clip_with_norm_", "is_finite", "total_norm"],
+    "lightning_muon.optim.rules": [
+        "Bucket", "CautiousWeightDecay", "NorMuon", "UpdateRule", "register_rule", "rules_for",
     ],
     "lightning_muon.optim": [
         "AdamW", "Muon", "ParamDiagnostics", "StrategyInfo", "WarmupCosine", "adjust_lr", "groups",
@@ -63,6 +68,12 @@ UNDOCUMENTED: set[tuple[str, str]] = set()
 def test_every_public_module_exports_the_names_pinned_here():
     exported = {name: sorted(importlib.import_module(name).__all__) for name in PUBLIC}
     assert exported == PUBLIC
+
+
+def test_dir_of_the_package_lists_its_declared_surface_once():
+    """Not its own imports (``importlib``, ``logging``, ``Any``) or helpers, and a name loaded on first use once."""
+    assert lightning_muon.WarmupCosine is not None  # loaded: now in the module's globals too
+    assert dir(lightning_muon) == sorted(lightning_muon.__all__)
 
 
 def test_every_subpackage_declares_its_public_names():

@@ -1,7 +1,7 @@
 """Tensor parallelism under `MuonMixin` (Lightning's ``ModelParallelStrategy`` with ``parallelize_module``):
 Lightning's tutorial plan makes the attention and feed-forward projections DTensors and leaves the embedding,
 norms and head plain tensors. The mixin's global gradient norm, its clipping (by norm and by value), its
-non-finite check and the weight health check run over that mix (`lightning_muon.optim._norms`): two ranks, and
+non-finite check and the weight health check run over that mix (`lightning_muon.optim.norms`): two ranks, and
 four in 2-D (FSDP2 over tensor parallel), train as one process does, with the same first-batch routing (they used
 to die in ``aten._foreach_norm``: "got mixed torch.Tensor and DTensor", or in 2-D on a mesh mismatch). Under TP(2)
 the Newton-Schulz work is split over the ranks (owner ranks gather the colwise weights' row shards and the rowwise

@@ -54,7 +54,14 @@ from lightning_muon.combined import MuonWithAdamW
 from lightning_muon.lightning import SKIPPED_STEPS_KEY, _compat
 from lightning_muon.lightning.mixin import MuonMixin
 from lightning_muon.optim import ParamDiagnostics, preview_update
-from lightning_muon.optim.groups import NORMUON_EPS, SECOND_MOMENT, group_effective_lr, group_effective_lrs, lr_value
+from lightning_muon.optim.groups import (
+    NAME,
+    NORMUON_EPS,
+    SECOND_MOMENT,
+    group_effective_lr,
+    group_effective_lrs,
+    lr_value,
+)
 from lightning_muon.optim.muon import Muon
 from lightning_muon.optim.newton_schulz import orthogonality_error
 
@@ -71,7 +78,7 @@ def lr_keys(optimizers: list[Optimizer]) -> list[list[str]]:
         if seen[type(optimizer)] > 1:
             name += f"-{seen[type(optimizer)] - 1}"
         groups = optimizer.param_groups
-        names = [g.get("name") for g in groups]
+        names = [g.get(NAME) for g in groups]
         duplicates = {n for n in names if n is not None and names.count(n) > 1}
         if duplicates:
             raise MisconfigurationException(
@@ -98,7 +105,7 @@ def _muon_of(optimizer: Optimizer) -> Optimizer:
 
 def _normuon_metrics(optimizers: list[Optimizer]) -> dict[str, float]:
     """The NorMuon keys from the second moments the optimizers hold (none without a NorMuon group). Every rank
-    holds every row's statistic (NorMuon runs on one process or DDP), so no reduction."""
+    holds every row's statistic (a plain tensor, whole on every rank, under every strategy), so no reduction."""
     moments = [
         optimizer.state[p][SECOND_MOMENT]
         for optimizer in optimizers

@@ -24,6 +24,7 @@ from lightning_muon.combined.state import ADAMW_KEY, ALGORITHMS, MUON_KEY, merge
 from lightning_muon.optim import Muon
 from lightning_muon.optim.adamw import AdamW
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
+from lightning_muon.optim.groups import PARAM_NAMES
 from lightning_muon.routing import Algorithm, Routing, route_parameters
 
 if TYPE_CHECKING:
@@ -212,7 +213,7 @@ class MuonWithAdamW(Optimizer):
         shared = [i for i, p in enumerate(group["params"]) if p in others]
         if shared:
             inner.param_groups.pop()
-            names = group.get("param_names")
+            names = group.get(PARAM_NAMES)
             which = ", ".join(names[i] if names else f"params[{i}]" for i in shared[:5])
             raise ValueError(
                 f"some parameters appear in both a Muon and an AdamW group ({which}); each parameter belongs to "

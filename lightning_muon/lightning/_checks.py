@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
 from lightning_muon.lightning import _compat
+from lightning_muon.optim.groups import NAME, PARAM_NAMES
 
 #: Parent hooks that manual optimization never calls (``lr_scheduler_step`` is: the mixin steps through it).
 UNCALLED_HOOKS = ("optimizer_step", "configure_gradient_clipping", "optimizer_zero_grad")
@@ -191,7 +192,7 @@ def _describe(optimizer: Optimizer) -> str:
 
 def _per_group_settings(optimizer: Optimizer) -> bool:
     """Whether the param groups differ in any setting (per-group weight decay, lr, ...)."""
-    settings = [{k: repr(v) for k, v in g.items() if k not in ("params", "param_names", "name")}
+    settings = [{k: repr(v) for k, v in g.items() if k not in ("params", PARAM_NAMES, NAME)}
                 for g in optimizer.param_groups]
     return any(s != settings[0] for s in settings)
 

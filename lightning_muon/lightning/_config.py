@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_muon.lightning._specs import from_spec, plain_data, target_class, to_spec
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
-from lightning_muon.optim.groups import group_effective_lrs, is_count
+from lightning_muon.optim.groups import PARAM_NAMES, group_effective_lrs, is_count
 from lightning_muon.optim.muon import Muon
 from lightning_muon.routing import Algorithm, GraphRoles, Routing, check_pattern_list, route_parameters
 
@@ -180,10 +180,10 @@ class MuonConfig:
         lrs: dict[str, float] = {}
         if routing.muon_groups:
             for group in self.build(Algorithm.MUON, routing.muon_groups).param_groups:
-                lrs.update(zip(group["param_names"], group_effective_lrs(group), strict=True))
+                lrs.update(zip(group[PARAM_NAMES], group_effective_lrs(group), strict=True))
         if routing.adamw_groups:  # (a LoRA model routes nothing to AdamW)
             for group in self.build(Algorithm.ADAMW, routing.adamw_groups).param_groups:
-                for name in group["param_names"]:
+                for name in group[PARAM_NAMES]:
                     lrs[name] = float(group["lr"])
         return lrs
 

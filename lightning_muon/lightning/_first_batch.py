@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_muon.optim.groups import NAME
 from lightning_muon.routing import ADAMW, MUON, GraphRoles, Routing
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 def group_layout(routing: Routing) -> list[list[tuple[str, list[str]]]]:
     """Each optimizer's groups as ``(group name, parameter names)``, Muon's first: what the optimizers hold."""
-    return [[(g["name"], [n for n, _ in g["params"]]) for g in routing.groups(opt)] for opt in (MUON, ADAMW)]
+    return [[(g[NAME], [n for n, _ in g["params"]]) for g in routing.groups(opt)] for opt in (MUON, ADAMW)]
 
 
 def moves_message(before: Routing, after: Routing, roles: GraphRoles, took_s: float) -> str:

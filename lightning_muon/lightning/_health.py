@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_muon.optim._norms import is_finite, total_norm
+from lightning_muon.optim.norms import is_finite, total_norm
 
 #: A GradScaler scale below this means the loss is scaled DOWN: the gradients are not overflowing now and
 #: then, every update is being skipped (from the default 2**16 it takes 17 overflows in a row).

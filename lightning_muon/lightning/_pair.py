@@ -37,6 +37,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_muon.optim.groups import MATRIX_BLOCKS, MATRIX_LAYOUTS, NAME, PARAM_NAMES
 from lightning_muon.routing import ADAMW, MUON, Algorithm, Group, Routing
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ PLACEHOLDER_NAMES = {MUON: Group.HIDDEN.value, ADAMW: Group.OTHER.value}
 #: them as lr keys). The pair records which names it gave (`OptimizerPair.added`); it never parses one.
 ADDED_NAME = "unfrozen_{}"
 #: The keys of an offered group that the routing decides itself (the lr is scaled per optimizer).
-_ROUTED_KEYS = {"params", "lr", "name", "param_names", "matrix_layouts", "matrix_blocks"}
+_ROUTED_KEYS = {"params", "lr", NAME, PARAM_NAMES, MATRIX_LAYOUTS, MATRIX_BLOCKS}
 
 #: One optimizer's groups as ``[group name, [parameter names]]``: what a checkpoint records of it.
 Layout = list[list[Any]]
@@ -69,7 +70,7 @@ Layout = list[list[Any]]
 def layout_of(optimizer: Optimizer) -> Layout:
     """What ``optimizer`` holds: ``[group name, [parameter names]]`` per group (the positions its states are
     saved by)."""
-    return [[g.get("name"), list(g.get("param_names", []))] for g in optimizer.param_groups]
+    return [[g.get(NAME), list(g.get(PARAM_NAMES, []))] for g in optimizer.param_groups]
 
 
 def members_of(layouts: list[Layout], names: list[str]) -> dict[str, list[str]]:
@@ -86,22 +87,22 @@ def members_of(layouts: list[Layout], names: list[str]) -> dict[str, list[str]]:
 def placeholder_group(algorithm: str) -> dict[str, Any]:
     """The empty group an optimizer is built with where the start routes nothing to it; named, like every group of
     the pair (torch wants all groups with names or none)."""
-    return {"name": PLACEHOLDER_NAMES[algorithm], "params": [], "param_names": []}
+    return {NAME: PLACEHOLDER_NAMES[algorithm], "params": [], PARAM_NAMES: []}
 
 
 def added_group(routing: Routing, algorithm: str, lr: float, name: str) -> dict[str, Any]:
     """One group ``name`` at ``lr`` with ``routing``'s parameters for ``algorithm`` (empty where it has none)."""
     groups = routing.groups(algorithm)
-    group: dict[str, Any] = {"name": name, "params": [pair for g in groups for pair in g["params"]], "lr": lr}
+    group: dict[str, Any] = {NAME: name, "params": [pair for g in groups for pair in g["params"]], "lr": lr}
     if not groups:
-        group["param_names"] = []
-    if any("matrix_layouts" in g for g in groups):
-        group["matrix_layouts"] = [
-            layout for g in groups for layout in g.get("matrix_layouts", ["flatten"] * len(g["params"]))
+        group[PARAM_NAMES] = []
+    if any(MATRIX_LAYOUTS in g for g in groups):
+        group[MATRIX_LAYOUTS] = [
+            layout for g in groups for layout in g.get(MATRIX_LAYOUTS, ["flatten"] * len(g["params"]))
         ]
-    if any("matrix_blocks" in g for g in groups):  # fused projections split into their blocks
-        group["matrix_blocks"] = [
-            blocks for g in groups for blocks in g.get("matrix_blocks", [None] * len(g["params"]))
+    if any(MATRIX_BLOCKS in g for g in groups):  # fused projections split into their blocks
+        group[MATRIX_BLOCKS] = [
+            blocks for g in groups for blocks in g.get(MATRIX_BLOCKS, [None] * len(g["params"]))
         ]
     return group
 
@@ -150,7 +151,7 @@ def settings_for(optimizer: Optimizer, offered: dict[str, Any], optimizers: list
 def next_added_name(optimizers: Iterable[Optimizer], added: int) -> str:
     """The next ``unfrozen_<n>``: one past the ``added`` groups so far (a resumed fit goes on counting), skipping any
     name a group of ``optimizers`` already has."""
-    taken = {g.get("name") for o in optimizers for g in o.param_groups}
+    taken = {g.get(NAME) for o in optimizers for g in o.param_groups}
     number = added + 1
     while ADDED_NAME.format(number) in taken:
         number += 1
@@ -208,7 +209,7 @@ class OptimizerPair:
 
     def origin(self, group: dict[str, Any]) -> Origin:
         """Where ``group`` (one of the pair's) came from."""
-        if group.get("name") in self.added:
+        if group.get(NAME) in self.added:
             return Origin.ADDED
         return Origin.ROUTED if group["params"] else Origin.PLACEHOLDER
 
@@ -216,7 +217,7 @@ class OptimizerPair:
 
     def _wanted(self, routing: Routing) -> dict[str, list[dict[str, Any]]]:
         """`wanted_groups` with the added groups and lrs the optimizers hold."""
-        lrs = {(a, g["name"]): g["lr"] for a, o in self.optimizers.items() for g in o.param_groups}
+        lrs = {(a, g[NAME]): g["lr"] for a, o in self.optimizers.items() for g in o.param_groups}
         return wanted_groups(routing, self.algorithms, self.added_members(), lrs, self.keep_both)
 
     def added_members(self) -> dict[str, list[str]]:
@@ -232,7 +233,7 @@ class OptimizerPair:
         the fit lacks."""
         if any(wanted[a] for a in (MUON, ADAMW) if a not in self.optimizers):
             return None
-        return [[[g["name"], [n for n, _ in g["params"]]] for g in wanted[a]] for a in self.optimizers]
+        return [[[g[NAME], [n for n, _ in g["params"]]] for g in wanted[a]] for a in self.optimizers]
 
     def holds(self, routing: Routing) -> bool:
         """Whether the optimizers hold ``routing``'s groups (`wanted_groups`)."""
@@ -247,7 +248,7 @@ class OptimizerPair:
         # The tensors the optimizers hold, by name: during a training step FSDP2's modules hold unsharded copies of
         # their parameters, while the optimizers must keep the sharded ones they were built with.
         held = {n: p for o in self.optimizers.values() for g in o.param_groups
-                for n, p in zip(g["param_names"], g["params"], strict=True)}
+                for n, p in zip(g[PARAM_NAMES], g["params"], strict=True)}
         routed = {r.name for r in routing.routes}
         if set(held) != routed:
             raise MisconfigurationException(

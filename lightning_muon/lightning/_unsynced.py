@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_muon.optim._norms import any_rank
+from lightning_muon.optim.norms import any_rank
 
 
 class UnsyncedGradients:

@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from lightning_muon.lightning import _compat, _health
 from lightning_muon.lightning._checks import by_hand, refuse_by_hand
 from lightning_muon.lightning._unsynced import UnsyncedGradients
-from lightning_muon.optim import _norms as norms
+from lightning_muon.optim import norms
 from lightning_muon.routing import loss_in
 
 if TYPE_CHECKING:

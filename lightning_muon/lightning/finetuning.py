@@ -8,6 +8,8 @@ from lightning.pytorch.callbacks import BackboneFinetuning
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_muon.optim.groups import NAME
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.optim import Optimizer
@@ -102,11 +104,11 @@ class MuonBackboneFinetuning(BackboneFinetuning):
         index = next(i for i, o in enumerate(pl_module.trainer.optimizers) if o is optimizer)
         lr = optimizer.param_groups[0]["lr"]
         if epoch == self.unfreeze_backbone_at_epoch:
-            before = {g.get("name") for g in optimizer.param_groups}
+            before = {g.get(NAME) for g in optimizer.param_groups}
             initial = lr * self.backbone_initial_ratio_lr
             self.unfreeze_and_add_param_group(pl_module.backbone, optimizer, initial, train_bn=self.train_bn,
                                               initial_denom_lr=self.initial_denom_lr)
-            added = [g.get("name") for g in optimizer.param_groups if g.get("name") not in before]
+            added = [g.get(NAME) for g in optimizer.param_groups if g.get(NAME) not in before]
             if len(added) != 1 or added[0] is None:
                 raise MisconfigurationException(
                     f"MuonBackboneFinetuning's unfreeze at epoch {epoch} gave optimizer {index} the param groups "
@@ -126,7 +128,7 @@ class MuonBackboneFinetuning(BackboneFinetuning):
 
     def _backbone_group(self, optimizer: Optimizer, index: int) -> dict[str, Any]:
         name = self.backbone_groups[index]
-        group = next((g for g in optimizer.param_groups if name is not None and g.get("name") == name), None)
+        group = next((g for g in optimizer.param_groups if name is not None and g.get(NAME) == name), None)
         if group is None:
             raise MisconfigurationException(
                 f"MuonBackboneFinetuning sets the lr of the backbone group its unfreeze added, and optimizer {index} "

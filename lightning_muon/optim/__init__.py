@@ -2,12 +2,15 @@
 
 Layers, bottom to top: `newton_schulz` (pure batched functions) and `groups` (what a param group's settings mean:
 shapes, effective lr, Newton-Schulz dtype and path; a public tier of its own, see `lightning_muon`; read by the
-callbacks and the Lightning config), ``_update`` (momentum, orthogonalise, apply, diagnostics on buckets of same-
-shape matrices), ``_collectives`` (process groups and byte exchanges), ``_plan`` (which rank orthogonalises which
-matrices, exchange rounds), ``_strategies`` (local, DDP-split, FSDP2-owner), ``_choice`` (which strategy, said once,
-and `StrategyInfo`, what `Muon.strategy` tells of it), `muon` (the optimizer class), `adamw` (torch's AdamW with
-cautious weight decay, for the pair's other half). ``_precision`` (the Newton-Schulz dtype by hardware, agreed
-across ranks) serves `groups`; ``_dtensor`` (is a tensor a DTensor?) sits under them all, `schedulers` stands apart.
+callbacks and the Lightning config), ``_bucket`` (the same-shape matrices one Newton-Schulz call takes), `rules` (the
+update rules, one class each, and `rules.register_rule` for a user's: a public tier too), ``_update`` (momentum,
+orthogonalise, apply, diagnostics on buckets), ``_collectives`` (process groups and byte exchanges), ``_plan`` (which
+rank orthogonalises which matrices, exchange rounds), ``_strategies`` (local, DDP-split, FSDP2-owner: they call the
+rules and name none), ``_choice`` (which strategy, said once, and `StrategyInfo`, what `Muon.strategy` tells of it),
+`muon` (the optimizer class), `adamw` (torch's AdamW with cautious weight decay, for the pair's other half).
+``_precision`` (the Newton-Schulz dtype by hardware, agreed across ranks) and ``_registry`` (the rules by their group
+key) serve `groups`; ``_dtensor`` (is a tensor a DTensor?) and `norms` (norms, clipping and rank agreement over
+tensors and DTensors, which the mixin's update loop imports too) sit under them all, `schedulers` stands apart.
 Nothing here imports Lightning (``tests/test_layout.py`` checks it).
 """
 

@@ -1,6 +1,6 @@
 """Who orthogonalises what in a distributed Muon step: the step's buckets cut into per-owner jobs.
 
-A bucket (`lightning_muon.optim._update.Bucket`) groups same-shape matrices up to ``ns_batch_bytes``
+A bucket (`lightning_muon.optim._bucket.Bucket`) groups same-shape matrices up to ``ns_batch_bytes``
 for one batched Newton-Schulz call; with the accelerator default (256 MiB) a whole GPT-2-small forms
 4 buckets. Giving each bucket to one rank would leave ranks idle from ``world > buckets`` on and
 make the all-gather pad every rank's share to the largest bucket. So owners are assigned per
@@ -24,8 +24,8 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 
+from lightning_muon.optim._bucket import Bucket
 from lightning_muon.optim._collectives import ExchangeLayout
-from lightning_muon.optim._update import Bucket
 
 T = TypeVar("T")
 

@@ -23,6 +23,7 @@ An explicit ``ns_dtype`` always wins; `assume` injects the capability's answer (
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_muon.optim._norms import any_rank
+from lightning_muon.optim.norms import any_rank
 
 _log = logging.getLogger("lightning_muon")
 
@@ -55,8 +56,22 @@ class Precision:
 
     def line(self) -> str:
         """What is logged and shown at fit start."""
-        name = str(self.dtype).removeprefix("torch.")
+        name = dtype_name(self.dtype)
         return f"Muon: Newton-Schulz in {name} on {self.device}: {self.reason} (pass ns_dtype to choose)."
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how param groups keep ``ns_dtype`` (distributed checkpoints
+    cannot save a ``torch.dtype``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
+def dtype_named(name: str) -> torch.dtype | None:
+    """``"bfloat16"`` or ``"torch.bfloat16"`` (as param groups, YAML and saved hyperparameters spell it) ->
+    ``torch.bfloat16``; ``None`` where torch has no dtype of that name. The inverse of `dtype_name`."""
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def native_bf16(device: torch.device) -> tuple[bool, str]:

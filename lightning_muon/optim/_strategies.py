@@ -22,11 +22,13 @@ construction on. Owners are assigned per parameter, each bucket cut into one job
 (`lightning_muon.optim._plan`), so the split does not depend on ``ns_batch_bytes``.
 
 Each strategy owns its owners, exchange buffers, byte count and diagnostics;
-all of them use the maths of `lightning_muon.optim._update`.
+all of them use the maths of `lightning_muon.optim._update`, and call a group's update rules
+(`lightning_muon.optim.rules`) without naming any.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_muon.optim import _update
+from lightning_muon.optim._bucket import Bucket, Chooser, ParamDiagnostics
 from lightning_muon.optim._collectives import (
     Agreement,
     ExchangeBuffers,
@@ -45,7 +48,6 @@ from lightning_muon.optim._collectives import (
     make_agreement,
     scatter_from_owners,
 )
-from lightning_muon.optim._norms import any_rank
 from lightning_muon.optim._plan import (
     Job,
     PlanCache,
@@ -53,8 +55,8 @@ from lightning_muon.optim._plan import (
     in_bucket_order,
     plan_jobs,
 )
-from lightning_muon.optim._update import Bucket, Chooser, ParamDiagnostics
-from lightning_muon.optim.groups import SECOND_MOMENT, layouts_of
+from lightning_muon.optim.norms import any_rank
+from lightning_muon.optim.rules import UpdateRule, rules_for
 
 #: The most bytes one FSDP2 exchange buffer holds per rank by default (a round of exchanges stays within it,
 #: see `lightning_muon.optim._plan.exchange_rounds`): large enough for all-to-alls at full bandwidth and for
@@ -100,20 +102,15 @@ class Strategy(ABC):
 
     def buckets(self, param_groups: list[dict[str, Any]], state: Any, named: bool) -> list[Bucket]:
         """The buckets of a step: every parameter with a gradient (on any rank that takes part), momentum
-        buffers created in the optimizer's ``state``; ``named``: with the parameters' names (diagnostics)."""
+        buffers and update-rule state created in the optimizer's ``state``; ``named``: with the parameters' names
+        (diagnostics)."""
         every = [p for group in param_groups for p in group["params"]]
         has_grad = [p.grad is not None for p in every]
         if every:
             has_grad = self.agree(has_grad, every[0].device)
-        if self.complete_state:  # a zero buffer steps exactly as a fresh one when a gradient comes
-            for group in param_groups:
-                normuon = group.get("normuon_beta2") is not None
-                for p, layout in zip(group["params"], layouts_of(group), strict=True):
-                    state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                    if normuon and SECOND_MOMENT not in state[p]:
-                        state[p][SECOND_MOMENT] = _update.new_second_moment(p, layout)
         return _update.collect_buckets(
-            param_groups, state, has_grad, whole_dtensors=self.whole_dtensors, synced=self.synced, named=named
+            param_groups, state, has_grad, whole_dtensors=self.whole_dtensors, synced=self.synced, named=named,
+            complete=self.complete_state,
         )
 
     @abstractmethod
@@ -304,10 +301,10 @@ class ShardedStep(DistributedStep):
         owners = [job.owner for job in jobs]
         layouts = [buckets[job.bucket].subset(job.indices).exchange_layout for job in jobs]
         whole = gather_to_owners(shards, owners, layouts, self.world, self.buffers)
-        results = {j: _update.orthogonalise(buckets[jobs[j].bucket].group, stack) for j, stack in whole.items()}
+        results = {j: _update.orthogonalise(buckets[jobs[j].bucket].settings, stack) for j, stack in whole.items()}
         self.ns_flops += sum(buckets[jobs[j].bucket].subset(jobs[j].indices).flops for j in whole)
         device = local[0].params[0].device
-        statistics = self._normuon_statistics(buckets, jobs, results, device)
+        statistics = self._rule_statistics(buckets, jobs, results, device)
         mine = scatter_from_owners(results, owners, layouts, self.world, device, self.buffers)
         self.exchanged_bytes += sum(
             s.numel() * layout.dtype.itemsize for ss, layout in zip(shards, layouts, strict=True) for s in ss
@@ -315,49 +312,46 @@ class ShardedStep(DistributedStep):
         rows_of: dict[tuple[int, int], Tensor] = {}
         for job, got in zip(jobs, mine, strict=True):
             rows_of.update(zip([(job.bucket, i) for i in job.indices], got, strict=True))
-        for b, (ix, part) in parts.items():
-            rows, normuon = [rows_of[b, i] for i in ix], (b, ix[0]) in statistics
-            if normuon:  # each rank normalises its own rows by the whole rows' statistics
-                sharded = buckets[b].subset(ix).params
-                rows = _update.normalize_shards(part, rows, [statistics[b, i] for i in ix], sharded)
-            _update.apply(part, rows, normalized=normuon)
+        for b, (ix, part) in parts.items():  # each rank applies its own rows, the rules with the whole ones' statistics
+            given = {key: [of[b, i] for i in ix] for key, of in statistics.items() if (b, ix[0]) in of}
+            _update.apply_shards(part, [rows_of[b, i] for i in ix], given, [buckets[b].params[i] for i in ix])
         return results
 
-    def _normuon_statistics(self, buckets: Sequence[Bucket], jobs: Sequence[Job], results: dict[int, Tensor],
-                            device: torch.device) -> dict[tuple[int, int], tuple[Tensor, Tensor]]:
-        """NorMuon's row statistics of the round's matrices (`_update.normuon_statistics`), by ``(bucket,
-        position)``: a neuron's mean square needs its whole row, and the rescale the whole matrix, so each owner
-        computes them on the whole results it holds, and one all-reduce (the others adding zeros: exact) gives
-        every rank all of them. Empty when no matrix of the round is NorMuon's (no exchange)."""
-        spans, total = [], 0  # (job, its first value in the exchange, its parameters' part of the bucket)
+    def _rule_statistics(self, buckets: Sequence[Bucket], jobs: Sequence[Job], results: dict[int, Tensor],
+                         device: torch.device) -> dict[str, dict[tuple[int, int], tuple[Tensor, ...]]]:
+        """What the update rules of the round's matrices need of the whole ones (`UpdateRule.statistics`: a
+        row's mean square needs its whole row, a rescale the whole matrix), by rule key and ``(bucket,
+        position)``: each owner computes them on the whole results it holds, and one all-reduce (the others
+        adding zeros: exact) gives every rank all of them. Empty when no rule of the round needs any (no
+        exchange)."""
+        spans: list[tuple[int, UpdateRule, int, Bucket, list]] = []  # job, rule, first value, its part, shapes
+        total = 0
         for j, job in enumerate(jobs):
-            if buckets[job.bucket].group.get("normuon_beta2") is not None:
-                part = buckets[job.bucket].subset(job.indices)
-                spans.append((j, total, part))
-                total += sum(v.numel() + _matrices(v) for v in part.moments)
+            part = None  # the job's parameters' part of the bucket, taken once
+            for rule in rules_for(buckets[job.bucket].group):
+                part = buckets[job.bucket].subset(job.indices) if part is None else part
+                shapes = rule.statistics_shapes(part)
+                if shapes:
+                    spans.append((j, rule, total, part, shapes))
+                    total += sum(math.prod(shape) for per_param in shapes for shape in per_param)
         if not spans:
             return {}
         flat = torch.zeros(total, dtype=torch.float32, device=device)
-        for j, start, part in spans:
+        for j, rule, start, part, _ in spans:
             if j in results:
                 whole = list(results[j].reshape(len(part.params), part.per_param, *part.shape).unbind(0))
-                values = torch.cat([t.flatten() for pair in _update.normuon_statistics(part, whole) for t in pair])
+                values = torch.cat([t.flatten() for per_param in rule.statistics(part, whole) for t in per_param])
                 flat[start : start + len(values)] = values
         dist.all_reduce(flat, group=self.world.group)
-        statistics = {}
-        for j, start, part in spans:
-            for i, moment in zip(jobs[j].indices, part.moments, strict=True):
-                neurons, matrices = moment.numel(), _matrices(moment)
-                mean_square = flat[start : start + neurons].reshape(moment.shape)
-                rescale = flat[start + neurons : start + neurons + matrices].reshape(*moment.shape[:-2], 1, 1)
-                statistics[jobs[j].bucket, i] = (mean_square, rescale)
-                start += neurons + matrices
+        statistics: dict[str, dict[tuple[int, int], tuple[Tensor, ...]]] = {}
+        for j, rule, start, _, shapes in spans:
+            for i, per_param in zip(jobs[j].indices, shapes, strict=True):
+                got = []
+                for shape in per_param:
+                    got.append(flat[start : start + math.prod(shape)].reshape(shape))
+                    start += math.prod(shape)
+                statistics.setdefault(rule.key, {})[jobs[j].bucket, i] = tuple(got)
         return statistics
-
-
-def _matrices(moment: Tensor) -> int:
-    """How many matrices a NorMuon second moment (`lightning_muon.optim.groups.row_moment_shape`) is of."""
-    return moment.numel() // (moment.shape[-2] * moment.shape[-1])
 
 
 def _chosen_rows(buckets: Sequence[Bucket], diagnose: Chooser) -> dict[tuple[int, int], int]:

@@ -5,140 +5,48 @@ same-shape matrices of one param group that one Newton-Schulz call
 orthogonalises together. `lightning_muon.Muon` and its distribution
 strategies call them; `lightning_muon.MuonMonitor` calls `preview_update` to
 recompute what ``torch.optim.Muon`` is about to do. Every Newton-Schulz call
-of the package goes through `orthogonalise`, a group's settings and a stack of matrices.
+of the package goes through `orthogonalise`, a group's settings and a stack of matrices. What a group's update
+rules do is theirs (`lightning_muon.optim.rules`): `apply` and `apply_shards`
+call them, naming none.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
-from lightning_muon.optim._collectives import ExchangeLayout
-from lightning_muon.optim._dtensor import is_dtensor, local_slices, matrix_parts
+from lightning_muon.optim._bucket import Bucket, Chooser, GroupSettings, ParamDiagnostics, settings_of
+from lightning_muon.optim._dtensor import is_dtensor
 from lightning_muon.optim.groups import (
-    NORMUON_EPS,
-    SECOND_MOMENT,
     STACKED,
-    STORED_IN_OUT,
-    batch_cap,
-    blocks_of,
     describe_param,
-    group_effective_lr,
-    layouts_of,
     lr_value,
     matrices_in,
     matrix_shape,
-    ns_dtype,
-    ns_settings,
-    on_exact_path,
     param_name,
-    row_moment_shape,
     split_blocks,
-    uses_gram,
 )
 from lightning_muon.optim.newton_schulz import (
     gram_newton_schulz,
-    ns_flops,
     orthogonality_error,
     zeropower_via_newtonschulz,
 )
+from lightning_muon.optim.rules import UpdateRule, rules_for
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-#: Which parameters a step diagnoses (`Muon.record_diagnostics`).
-Chooser = Callable[[Tensor], bool]
-
-
-class ParamDiagnostics(NamedTuple):
-    """What one step did to one matrix (recorded on request, see `Muon.record_diagnostics`).
-
-    The tensors are 0-dim float32 on the parameter's device, so reading them
-    does not force a device sync until they are used.
-    """
-
-    #: The parameter's name (`param_name`: its ``param_names`` entry, else ``<group name>.<index>``).
-    name: str
-    #: The parameter's own shape (a conv kernel's or a stack's whole shape, not the matrices').
-    shape: tuple[int, ...]
-    #: The learning rate the step applied to it: its group's ``lr`` after `adjust_lr`.
-    effective_lr: float
-    #: ``||O O^T - I_r||_F / sqrt(r)`` of the orthogonalised update ``O``.
-    orthogonality_error: Tensor
-    #: RMS of the applied update ``effective_lr * O`` (weight decay not included).
-    update_rms: Tensor
-
-
-class Bucket(NamedTuple):
-    """Same-shape matrices of one param group, orthogonalised in one (batched) Newton-Schulz call."""
-
-    group: dict[str, Any]
-    params: list[Tensor]
-    grads: list[Tensor]
-    bufs: list[Tensor]
-    names: list[str]
-    #: The ``(m, n)`` shape of every matrix Newton-Schulz sees in the bucket.
-    shape: tuple[int, int]
-    #: How the parameters hold their matrices (`LAYOUTS`), the same for the whole bucket.
-    layout: str = "flatten"
-    #: Matrices in each parameter (the stack size for the stacked layouts, else 1).
-    per_param: int = 1
-    #: NorMuon's per-row second moments, one per parameter (`row_moment_shape`); empty for plain Muon.
-    moments: Sequence[Tensor] = ()
-
-    @property
-    def effective_lr(self) -> float:
-        """The shape-adjusted learning rate of the bucket's matrices (from the whole matrix shape, also
-        when the bucket holds this rank's shards)."""
-        return group_effective_lr(self.group, self.shape, self.layout)
-
-    @property
-    def flops(self) -> int:
-        """Newton-Schulz FLOPs of the whole bucket (what owner assignment balances)."""
-        gram = uses_gram(self.group, self.shape)
-        flops = ns_flops(*self.shape, self.group["ns_steps"], gram=gram, dtype=ns_dtype(self.group))
-        return flops * len(self.params) * self.per_param
-
-    @property
-    def exchange_layout(self) -> ExchangeLayout:
-        """What a distributed exchange needs to know of the bucket: one 2D block per parameter (its matrices one
-        under the other), in the group's Newton-Schulz dtype, and how the ranks' shards cut each block where
-        some are not plain row shards (tensor parallelism, 2-D: `matrix_parts`)."""
-        m, n = self.shape
-        cuts = tuple(matrix_parts(p) for p in self.params)
-        layout = ExchangeLayout(len(self.params), (m * self.per_param, n), ns_dtype(self.group))
-        return layout if all(cut is None for cut in cuts) else layout._replace(cuts=cuts)
-
-    def local(self) -> Bucket:
-        """The bucket on this rank's shards (views: in-place updates reach the DTensors); NorMuon's moments are
-        whole on every rank (one value per neuron), and stay so."""
-        return self._replace(params=_locals(self.params), grads=_locals(self.grads), bufs=_locals(self.bufs))
-
-    def subset(self, indices: Sequence[int]) -> Bucket:
-        """The bucket restricted to the parameters at ``indices`` (its group, shape and layout kept); the whole
-        bucket itself when ``indices`` covers it in order."""
-        if list(indices) == list(range(len(self.params))):
-            return self
-        return self._replace(
-            params=[self.params[i] for i in indices],
-            grads=[self.grads[i] for i in indices],
-            bufs=[self.bufs[i] for i in indices],
-            names=[self.names[i] for i in indices],
-            moments=[self.moments[i] for i in indices] if self.moments else (),
-        )
-
-
-def _locals(tensors: list[Tensor]) -> list[Tensor]:
-    return [cast("DTensor", t).to_local() for t in tensors]
+#: The optimizer-state key of a parameter's momentum buffer (``torch.optim.Muon``'s).
+MOMENTUM_BUFFER = "momentum_buffer"
 
 
 def bucket_indices(
-    group: dict[str, Any],
+    settings: GroupSettings,
     params: list[Tensor],
     whole_dtensors: bool = True,
     synced: bool = False,
@@ -160,9 +68,9 @@ def bucket_indices(
         key = (shape, layout, p.dtype, grad_dtype, p.device)
         same[(*key, k) if whole_dtensors and is_dtensor(p) else key].append(k)
     buckets: list[list[int]] = []
-    itemsize = ns_dtype(group).itemsize
+    itemsize = settings.ns_dtype.itemsize
     for (shape, _, _, _, device, *_), ks in same.items():
-        per_call = max(1, batch_cap(group, device) // (math.prod(shape) * itemsize))
+        per_call = max(1, settings.batch_cap(device) // (math.prod(shape) * itemsize))
         buckets.extend(ks[i : i + per_call] for i in range(0, len(ks), per_call))
     return buckets
 
@@ -182,55 +90,59 @@ def collect_buckets(
     whole_dtensors: bool,
     synced: bool,
     named: bool,
+    complete: bool = False,
 ) -> list[Bucket]:
     """The buckets of one step, over the parameters flagged in ``has_grad`` (in param-group order).
 
     A flagged parameter without a gradient (it has one on another rank) steps with zeros; momentum
-    buffers are created in ``state`` (the optimizer's) on first use. ``named`` fills in the parameter
-    names (for diagnostics).
+    buffers and the group's update rules' state are created in ``state`` (the optimizer's) on first use, for
+    every parameter with ``complete`` (`init_state`). ``named`` fills in the parameter names (for diagnostics).
+    Each group's settings are resolved here, once a step (`settings_of`), and handed down with its buckets.
     """
     buckets, index = [], 0
     for group in param_groups:
         params, grads, bufs, names, layouts = [], [], [], [], []
-        moments: list[Tensor] = []
-        group_layouts, group_blocks = layouts_of(group), blocks_of(group)
-        normuon = group.get("normuon_beta2") is not None
+        rules, settings = rules_for(group), settings_of(group)
+        keys = [key for rule in rules for key in rule.state_keys]
+        states: dict[str, list[Tensor]] = {key: [] for key in keys}
+        group_layouts, group_blocks = settings.layouts, settings.blocks
         for i, p in enumerate(group["params"]):
+            if complete:  # a zero state steps exactly as a fresh one when a gradient comes
+                init_state(state[p], p, p, group_layouts[i], rules)
             if not has_grad[index + i]:
                 continue
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             _check_grad(group, i, index + i, p, grad)
-            if "momentum_buffer" not in state[p]:
-                state[p]["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
             name, layout, sizes = param_name(group, i, index + i) if named else "", group_layouts[i], group_blocks[i]
-            if normuon and SECOND_MOMENT not in state[p]:
-                state[p][SECOND_MOMENT] = new_second_moment(p, layout)
+            init_state(state[p], p, grad, layout, rules)
             # A fused projection's blocks step as separate parameters would: views of the tensor, its gradient,
-            # its momentum buffer and NorMuon's second moment (which stay whole in the state); equal blocks as one
+            # its momentum buffer and the rules' state (which stay whole in the optimizer state); equal blocks as one
             # stack of them (off the exact path).
-            whole = [p, grad, state[p]["momentum_buffer"], *([state[p][SECOND_MOMENT]] if normuon else [])]
-            stack = None if on_exact_path(group) else equal_blocks_as_stack(whole, layout, sizes)
+            whole = [p, grad, state[p][MOMENTUM_BUFFER], *(state[p][key] for key in keys)]
+            stack = None if settings.exact else equal_blocks_as_stack(whole, layout, sizes)
             split = [stack] if stack is not None else zip(*(split_blocks(t, layout, sizes) for t in whole), strict=True)
             for k, pieces in enumerate(split):
                 params.append(pieces[0])
                 grads.append(pieces[1])
                 bufs.append(pieces[2])
-                moments.extend(pieces[3:])
+                for key, piece in zip(keys, pieces[3:], strict=True):
+                    states[key].append(piece)
                 names.append(f"{name}[{k}]" if named and sizes and stack is None else name)
                 layouts.append("stack" if stack is not None else layout)
         index += len(group["params"])
-        for ks in bucket_indices(group, params, whole_dtensors=whole_dtensors, synced=synced, layouts=layouts):
+        for ks in bucket_indices(settings, params, whole_dtensors=whole_dtensors, synced=synced, layouts=layouts):
             pick = [params[k] for k in ks], [grads[k] for k in ks], [bufs[k] for k in ks], [names[k] for k in ks]
             layout, shape = layouts[ks[0]], params[ks[0]].shape
-            bucket = Bucket(group, *pick, matrix_shape(shape, layout), layout, matrices_in(shape, layout))
-            buckets.append(bucket._replace(moments=[moments[k] for k in ks]) if normuon else bucket)
+            picked = {key: [tensors[k] for k in ks] for key, tensors in states.items()}
+            matrices = matrix_shape(shape, layout), layout, matrices_in(shape, layout)
+            buckets.append(Bucket(group, *pick, *matrices, picked, settings))
     return buckets
 
 
 def equal_blocks_as_stack(tensors: Sequence[Tensor], layout: str, sizes: Sequence[int] | None) -> list[Tensor] | None:
     """A flattened parameter's equal row blocks (a grouped convolution's groups, a depthwise kernel's channels, q, k
     and v of one size) as one stack of matrices ``blocks x rows x cols``: views of ``tensors`` (the parameter, its
-    gradient, momentum buffer and NorMuon's moment), stepped as a stack of experts is, in one batched call instead
+    gradient, momentum buffer and the rules' state), stepped as a stack of experts is, in one batched call instead
     of one view a block. ``None`` where there are no blocks or they differ in size, the layout is not ``"flatten"``,
     or a tensor's memory cannot be viewed so (a channels-last kernel): then the blocks go one by one."""
     if sizes is None or layout != "flatten" or len(sizes) < 2 or len(set(sizes)) != 1:
@@ -243,11 +155,16 @@ def equal_blocks_as_stack(tensors: Sequence[Tensor], layout: str, sizes: Sequenc
         return None
 
 
-def new_second_moment(p: Tensor, layout: str) -> Tensor:
-    """NorMuon's second moment of a parameter before its first step: float32 zeros, one per neuron
-    (`row_moment_shape`), a plain tensor of the whole parameter's neurons also when it is a DTensor (every rank
-    keeps them all, and every rank advances them alike)."""
-    return torch.zeros(row_moment_shape(p.shape, layout), dtype=torch.float32, device=p.device)
+def init_state(param_state: dict[str, Any], param: Tensor, like: Tensor, layout: str,
+               rules: Sequence[UpdateRule]) -> None:
+    """A parameter's state before its first step, where it has none yet: its momentum buffer (zeros like ``like``:
+    the gradient, or the parameter itself) and each of its group's rules' state (`UpdateRule.new_state`)."""
+    if MOMENTUM_BUFFER not in param_state:
+        param_state[MOMENTUM_BUFFER] = torch.zeros_like(like, memory_format=torch.preserve_format)
+    for rule in rules:
+        if any(key not in param_state for key in rule.state_keys):
+            for key, tensor in rule.new_state(param, layout).items():
+                param_state.setdefault(key, tensor)
 
 
 def advance_momentum(bucket: Bucket) -> None:
@@ -270,15 +187,15 @@ def momentum(bucket: Bucket) -> list[Tensor]:
     return nesterov_input(bucket)
 
 
-def orthogonalise(group: dict[str, Any], matrices: Tensor) -> Tensor:
+def orthogonalise(settings: GroupSettings, matrices: Tensor) -> Tensor:
     """Newton-Schulz of a ``(k, m, n)`` stack with a param group's settings, in one call: Gram Newton-Schulz
     where `uses_gram`, else the standard iteration. A lone matrix (``k == 1``) takes the 2D path, whose
     kernels are ``torch.optim.Muon``'s (bit-identical results). Returns ``(k, m, n)`` in ``ns_dtype``."""
-    gram = uses_gram(group, (matrices.size(-2), matrices.size(-1)))
+    gram = settings.uses_gram((matrices.size(-2), matrices.size(-1)))
     iterate = gram_newton_schulz if gram else zeropower_via_newtonschulz
     if len(matrices) == 1:
-        return iterate(matrices[0], **ns_settings(group)).unsqueeze(0)
-    return iterate(matrices, **ns_settings(group))
+        return iterate(matrices[0], **settings.ns_kwargs).unsqueeze(0)
+    return iterate(matrices, **settings.ns_kwargs)
 
 
 def orthogonalise_buckets(buckets: Sequence[Bucket], updates: Sequence[list[Tensor]]) -> list[list[Tensor]]:
@@ -300,7 +217,7 @@ def _orthogonalise_whole(bucket: Bucket, update: DTensor) -> Tensor:
     shard of the result (every rank computes the same full matrix)."""
     from torch.distributed.tensor import distribute_tensor
 
-    full = orthogonalise(bucket.group, update.full_tensor().reshape(-1, *bucket.shape))
+    full = orthogonalise(bucket.settings, update.full_tensor().reshape(-1, *bucket.shape))
     return distribute_tensor(full.reshape(update.shape), update.device_mesh, update.placements, src_data_rank=None)
 
 
@@ -308,7 +225,7 @@ def _orthogonalise_as_stored(bucket: Bucket, updates: list[Tensor]) -> list[Tens
     """The bucket's matrices one after another, as the parameters hold them (a stack's matrices together)."""
     matrices = (-1, *bucket.shape)
     stack = updates[0].reshape(matrices) if len(updates) == 1 else torch.cat([u.reshape(matrices) for u in updates])
-    orthogonal = orthogonalise(bucket.group, stack)
+    orthogonal = orthogonalise(bucket.settings, stack)
     if bucket.per_param == 1:
         return list(orthogonal.unbind(0))
     return list(orthogonal.reshape(len(updates), bucket.per_param, *bucket.shape).unbind(0))
@@ -318,7 +235,7 @@ def _orthogonalise_wide(buckets: Sequence[Bucket], updates: Sequence[list[Tensor
     """One batched call on a stack of the matrices in their wide orientation: one pass casts (and transposes
     the tall ones) into the stack, so every matmul of the iteration reads contiguous wide matrices (torch.stack,
     then a cast, measured a second full copy; transposed operands, more copies inside the matmuls)."""
-    group, (m, n) = buckets[0].group, buckets[0].shape
+    settings, (m, n) = buckets[0].settings, buckets[0].shape
     wide = (min(m, n), max(m, n))
     tall = [b.shape[0] > b.shape[1] for b in buckets]
     sources = [
@@ -326,9 +243,9 @@ def _orthogonalise_wide(buckets: Sequence[Bucket], updates: Sequence[list[Tensor
         for b, us, t in zip(buckets, updates, tall, strict=True)
         for u in us
     ]
-    stack = torch.empty(len(sources), *wide, dtype=ns_dtype(group), device=sources[0].device)
+    stack = torch.empty(len(sources), *wide, dtype=settings.ns_dtype, device=sources[0].device)
     torch._foreach_copy_(list(stack.unbind(0)), sources)
-    orthogonal = orthogonalise(group, stack).unbind(0)
+    orthogonal = orthogonalise(settings, stack).unbind(0)
     results, start = [], 0
     for us, t in zip(updates, tall, strict=True):
         results.append([o.mT if t else o for o in orthogonal[start : start + len(us)]])
@@ -344,14 +261,14 @@ def ns_batches(buckets: Sequence[Bucket]) -> list[list[int]]:
     batches: list[list[int]] = []
     open_batches: dict[tuple, tuple[list[int], int]] = {}
     for j, bucket in enumerate(buckets):
-        group, (m, n) = bucket.group, bucket.shape
-        if bucket.per_param != 1 or on_exact_path(group) or is_dtensor(bucket.params[0]):
+        group, settings, (m, n) = bucket.group, bucket.settings, bucket.shape
+        if bucket.per_param != 1 or settings.exact or is_dtensor(bucket.params[0]):
             batches.append([j])
             continue
         device = bucket.params[0].device
         key = (id(group), min(m, n), max(m, n), device)
-        nbytes = len(bucket.params) * m * n * ns_dtype(group).itemsize
-        if key in open_batches and open_batches[key][1] + nbytes <= batch_cap(group, device):
+        nbytes = len(bucket.params) * m * n * settings.ns_dtype.itemsize
+        if key in open_batches and open_batches[key][1] + nbytes <= settings.batch_cap(device):
             batch, used = open_batches[key]
             batch.append(j)
             open_batches[key] = (batch, used + nbytes)
@@ -361,107 +278,53 @@ def ns_batches(buckets: Sequence[Bucket]) -> list[list[int]]:
     return batches
 
 
-def normalize_rows(bucket: Bucket, orthogonal: list[Tensor]) -> list[Tensor]:
-    """NorMuon (Li et al. 2025, arXiv 2510.05491) on the whole orthogonalised updates of a bucket, in float32:
-    each neuron's second moment ``v <- v.lerp(mean(O_row**2), 1 - normuon_beta2)`` (in the bucket's
-    ``moments``, in place), each row divided by ``sqrt(v) + 1e-8``, and each matrix rescaled to the Frobenius
-    norm ``O`` had. One result per update, its shape kept. DTensor updates (the fallback that gathers sharded
-    matrices whole on every rank) are normalised whole and sharded again."""
-    if is_dtensor(orthogonal[0]):
-        from torch.distributed.tensor import distribute_tensor
-
-        wholes = normalize_rows(bucket, [cast("DTensor", o).full_tensor() for o in orthogonal])
-        return [distribute_tensor(w, o.device_mesh, o.placements, src_data_rank=None)  # type: ignore[attr-defined]
-                for w, o in zip(wholes, orthogonal, strict=True)]
-    normalized, _, _ = _normuon(bucket, orthogonal, in_place=True)
-    return [u.reshape(o.shape) for u, o in zip(normalized.unbind(0), orthogonal, strict=True)]
+def rule_updates(bucket: Bucket, updates: list[Tensor], rules: Sequence[UpdateRule]) -> list[Tensor]:
+    """The whole orthogonalised updates of a bucket after its group's rules (`UpdateRule.update`), in order.
+    DTensor updates (the fallback that gathers sharded matrices whole on every rank) are changed whole and
+    sharded again."""
+    for rule in rules:
+        if type(rule).update is UpdateRule.update:  # a rule that does not change the update (a decay rule)
+            continue
+        if is_dtensor(updates[0]):
+            updates = _whole_dtensor_update(rule, bucket, updates)
+        else:
+            updates = rule.update(bucket, updates)
+    return updates
 
 
-def normuon_statistics(bucket: Bucket, orthogonal: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
-    """What an owner of whole matrices tells the ranks that hold their shards (`normalize_shards`), one pair per
-    update, in float32: each neuron's mean square ``mean(O_row**2)`` (shaped as its second moment,
-    `row_moment_shape`) and each matrix's rescale (``(*stack, 1, 1)``, or ``(1, 1)``), as `normalize_rows`
-    computes them; the bucket's moments are read, not changed."""
-    _, mean_square, rescale = _normuon(bucket, orthogonal, in_place=False)
-    moments = list(bucket.moments)
-    return [(s.reshape(v.shape), r.reshape(*v.shape[:-2], 1, 1))
-            for s, r, v in zip(mean_square.unbind(0), rescale.unbind(0), moments, strict=True)]
+def _whole_dtensor_update(rule: UpdateRule, bucket: Bucket, updates: list[Tensor]) -> list[Tensor]:
+    """`UpdateRule.update` on the whole matrices of DTensor updates, sharded again as they were; a rule's state that
+    is a DTensor (shaped like its parameter) is gathered whole for it too, and each rank keeps its shard after."""
+    from torch.distributed.tensor import distribute_tensor
+
+    def whole(t: Tensor) -> Tensor:
+        return cast("DTensor", t).full_tensor() if is_dtensor(t) else t
+
+    def shard(full: Tensor, like: Tensor) -> DTensor:
+        placed = cast("DTensor", like)
+        return distribute_tensor(full, placed.device_mesh, placed.placements, src_data_rank=None)
+
+    states = {key: [whole(t) for t in tensors] for key, tensors in bucket.states.items()}
+    wholes = rule.update(bucket._replace(states=states), [whole(u) for u in updates])
+    for key, tensors in bucket.states.items():
+        for t, full in zip(tensors, states[key], strict=True):
+            if is_dtensor(t):
+                cast("DTensor", t).to_local().copy_(shard(full, t).to_local())
+    return [shard(w, u) for w, u in zip(wholes, updates, strict=True)]
 
 
-def _normuon(bucket: Bucket, orthogonal: list[Tensor], in_place: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """NorMuon's maths on a bucket's whole updates: the normalised updates ``(updates, per_param, m, n)``, the
-    neurons' mean squares and the matrices' rescales; the moments advanced in place where ``in_place``."""
-    m, n = bucket.shape
-    per, dim = (bucket.per_param, m, n), (-2 if bucket.layout in STORED_IN_OUT else -1)
-    updates = torch.stack([o.reshape(per) for o in orthogonal]).float()
-    moments = torch.stack([v.reshape(bucket.per_param, *v.shape[-2:]) for v in bucket.moments]).float()
-    norms = torch.linalg.vector_norm(updates, dim=(-2, -1), keepdim=True)
-    mean_square = updates.square().mean(dim=dim, keepdim=True)
-    moments.lerp_(mean_square, 1 - bucket.group["normuon_beta2"])
-    normalized = updates / (moments.sqrt() + NORMUON_EPS)
-    rescale = norms / torch.linalg.vector_norm(normalized, dim=(-2, -1), keepdim=True).clamp_min(NORMUON_EPS)
-    normalized *= rescale
-    if in_place:
-        olds = list(bucket.moments)
-        torch._foreach_copy_(olds, [v.reshape(old.shape) for v, old in zip(moments, olds, strict=True)])
-    return normalized, mean_square, rescale
-
-
-def normalize_shards(bucket: Bucket, shards: list[Tensor], statistics: Sequence[tuple[Tensor, Tensor]],
-                     sharded: Sequence[Tensor]) -> list[Tensor]:
-    """NorMuon on this rank's shards of a bucket's updates (``bucket``: the local one, whose ``moments`` are whole
-    on every rank), from the whole matrices' `normuon_statistics` an owner computed: every rank advances every
-    moment alike, then divides its rows by theirs and rescales them, element by element as `normalize_rows` does
-    on one process. ``sharded``: the DTensor parameters, for where each shard lies. Results in float32."""
-    results = []
-    beta2 = bucket.group["normuon_beta2"]
-    for shard, moment, (mean_square, rescale), param in zip(shards, bucket.moments, statistics, sharded,
-                                                            strict=True):
-        moment.lerp_(mean_square, 1 - beta2)
-        rows, scale = moment_slices(param, bucket.layout)
-        local = shard.float().reshape(_matrix_view(param.to_local().shape, bucket.layout))  # type: ignore[attr-defined]
-        normalized = local / (moment[rows].sqrt() + NORMUON_EPS)
-        normalized *= rescale[scale]
-        results.append(normalized.reshape(shard.shape))
-    return results
-
-
-def _matrix_view(shape: torch.Size, layout: str) -> tuple[int, ...]:
-    """A (local) parameter's shape as its second moment broadcasts against it: ``(rows, rest)`` for ``"flatten"``
-    (a conv kernel's matrix), the shape itself for the other layouts."""
-    return (shape[0], math.prod(shape[1:])) if layout == "flatten" else tuple(shape)
-
-
-def moment_slices(param: Tensor, layout: str) -> tuple[tuple[slice, ...], tuple[slice, ...]]:
-    """Where this rank's shard of a DTensor parameter lies in its whole second moment (`row_moment_shape`) and
-    in its matrices' rescales (``(*stack, 1, 1)`` or ``(1, 1)``)."""
-    cut = local_slices(param)
-    every = slice(None)
-    if layout == "flatten":
-        return (cut[0], every), (every, every)
-    if layout == "in_out":
-        return (every, cut[1]), (every, every)
-    stack = cut[:-2]
-    if layout == "stack":
-        return (*stack, cut[-2], every), (*stack, every, every)
-    return (*stack, every, cut[-1]), (*stack, every, every)
-
-
-def apply(bucket: Bucket, orthogonal: list[Tensor], normalized: bool = False) -> None:
-    """Decoupled weight decay with the base lr, then the shape-adjusted orthogonalised step. NorMuon groups
-    (``normuon_beta2``) normalise the rows first (`normalize_rows`), unless ``normalized`` says it is done
-    (`normalize_shards`); with ``cautious_weight_decay`` an entry decays only where it and its update have the
-    same sign (``p * update >= 0``), as dion's ``cautious_wd``."""
-    group = bucket.group
-    if group.get("normuon_beta2") is not None and not normalized:
-        orthogonal = normalize_rows(bucket, orthogonal)
+def apply(bucket: Bucket, orthogonal: list[Tensor], ruled: bool = False) -> None:
+    """The group's update rules on the whole orthogonalised updates (`rule_updates`; unless ``ruled`` says they
+    ran: `apply_shards`), then decoupled weight decay with the base lr (a rule's own `UpdateRule.decay` where one
+    of the group's rules has one, else ``p * (1 - lr * weight_decay)``), then the shape-adjusted step."""
+    group, rules = bucket.group, rules_for(bucket.group)
+    if not ruled:
+        orthogonal = rule_updates(bucket, orthogonal, rules)
     # 2D updates go in as they are (a tall one is a transposed view: no copy); ND ones are unflattened.
     shaped = [o if o.shape == p.shape else o.reshape(p.shape) for o, p in zip(orthogonal, bucket.params, strict=True)]
     coefficient = lr_value(group["lr"]) * group["weight_decay"]
-    if group.get("cautious_weight_decay") and coefficient:
-        decays = [p * (p * u >= 0) for p, u in zip(bucket.params, shaped, strict=True)]
-        torch._foreach_add_(bucket.params, decays, alpha=-coefficient)
-    elif 1 - coefficient != 1.0:
+    decayed = bool(coefficient) and any(rule.decay(bucket.params, shaped, coefficient) for rule in rules)
+    if not decayed and 1 - coefficient != 1.0:
         decay(bucket.params, 1 - coefficient)
     torch._foreach_add_(bucket.params, shaped, alpha=-bucket.effective_lr)
 
@@ -476,6 +339,19 @@ def decay(params: list[Tensor], factor: float) -> None:
     else:
         for p in params:
             p.mul_(factor)
+
+
+def apply_shards(bucket: Bucket, shards: list[Tensor], statistics: dict[str, list[tuple[Tensor, ...]]],
+                 sharded: Sequence[Tensor]) -> None:
+    """`apply` on this rank's shards of a bucket's updates (``bucket``: the local one), each rule changing them
+    from the whole matrices' statistics their owners computed (``statistics``: by rule key, one tuple per
+    parameter; a rule without any is absent). ``sharded``: the DTensor parameters, for where each shard lies."""
+    for rule in rules_for(bucket.group):
+        if type(rule).update is UpdateRule.update and type(rule).update_shards is UpdateRule.update_shards:
+            continue
+        given = statistics.get(rule.key) or [()] * len(shards)
+        shards = rule.update_shards(bucket, shards, given, sharded)
+    apply(bucket, shards, ruled=True)
 
 
 def measure(updates: Tensor, effective_lr: float) -> tuple[Tensor, Tensor]:
@@ -528,5 +404,6 @@ def preview_update(group: dict[str, Any], grad: Tensor, buf: Tensor | None) -> T
         bufs=[torch.zeros_like(grad) if buf is None else buf.clone()],
         names=[""],
         shape=matrix_shape(grad.shape),
+        resolved=settings_of(group),
     )
     return orthogonalise_buckets([bucket], [momentum(bucket)])[0][0].float()

@@ -8,27 +8,32 @@ update maths, `lightning_muon.MuonMonitor` and the Lightning config all read gro
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_muon.optim import _precision
+from lightning_muon.optim import _precision, _registry
+from lightning_muon.optim._precision import dtype_name
 
 __all__ = [
     "ADJUST_LR_FNS",
     "DEFAULT_BATCH_BYTES",
     "DEFAULT_BATCH_BYTES_ACCELERATOR",
     "LAYOUTS",
+    "MATRIX_BLOCKS",
+    "MATRIX_LAYOUTS",
+    "NAME",
     "NORMUON_EPS",
+    "PARAM_NAMES",
     "SECOND_MOMENT",
     "STACKED",
     "STORED_IN_OUT",
     "adjust_lr",
     "batch_cap",
     "block_dim",
+    "blocks_cover",
     "blocks_of",
     "describe_param",
     "dtype_name",
@@ -50,6 +55,18 @@ __all__ = [
     "update_rule",
     "uses_gram",
 ]
+
+#: The keys of a Muon param group beside its settings, the contract between `lightning_muon.route_parameters` (which
+#: writes them), the optimizers and the pair (which read them): the group's name (``lr-Muon/<name>`` in the logs),
+#: its parameters' names (torch's ``param_names``, from ``(name, tensor)`` pairs), their matrix layouts (`LAYOUTS`,
+#: one per parameter) and their row blocks (``None`` or sizes, one per parameter: `split_blocks`).
+NAME = "name"
+#: See `NAME`.
+PARAM_NAMES = "param_names"
+#: See `NAME`.
+MATRIX_LAYOUTS = "matrix_layouts"
+#: See `NAME`.
+MATRIX_BLOCKS = "matrix_blocks"
 
 #: Accepted values of ``adjust_lr_fn`` (``None`` means ``"original"``).
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral", "none")
@@ -73,7 +90,8 @@ STACKED = ("stack", "stack_in_out")
 #: The layouts whose matrices are stored ``in x out`` (the lr's shape scaling reads them transposed).
 STORED_IN_OUT = ("in_out", "stack_in_out")
 
-#: The optimizer-state key of NorMuon's per-neuron second moment (`row_moment_shape`), beside ``momentum_buffer``.
+#: The optimizer-state key of NorMuon's per-neuron second moment (`row_moment_shape`), beside ``momentum_buffer``
+#: (`lightning_muon.optim.rules.NorMuon`).
 SECOND_MOMENT = "normuon_second_moment"
 #: Added to ``sqrt(v)`` before NorMuon divides a row by it (and the floor of the norm it rescales by), as dion.
 NORMUON_EPS = 1e-8
@@ -114,10 +132,9 @@ def row_moment_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten
 
 def update_rule(group: dict[str, Any]) -> str:
     """A param group's update rule in words: ``"Muon"``, or ``"NorMuon (normuon_beta2=0.95)"``, with
-    ``", cautious weight decay"`` where it is on (``torch.optim.Muon``'s groups: ``"Muon"``)."""
-    beta2 = group.get("normuon_beta2")
-    rule = "Muon" if beta2 is None else f"NorMuon (normuon_beta2={beta2:g})"
-    return rule + (", cautious weight decay" if group.get("cautious_weight_decay") else "")
+    ``", cautious weight decay"`` where it is on, and a rule of your own where the group selects it
+    (`lightning_muon.optim.rules`; ``torch.optim.Muon``'s groups: ``"Muon"``)."""
+    return _registry.words(group)
 
 
 def fan_shape(shape: torch.Size | tuple[int, ...], layout: str = "flatten") -> tuple[int, int]:
@@ -133,7 +150,7 @@ def matrices_in(shape: torch.Size | tuple[int, ...], layout: str = "flatten") ->
 
 def layouts_of(group: dict[str, Any]) -> list[str]:
     """The layout of each parameter of a param group (``"flatten"`` where the group names none)."""
-    return group.get("matrix_layouts") or ["flatten"] * len(group["params"])
+    return group.get(MATRIX_LAYOUTS) or ["flatten"] * len(group["params"])
 
 
 def block_dim(layout: str) -> int:
@@ -143,9 +160,16 @@ def block_dim(layout: str) -> int:
     return {"in_out": 1, "stack": -2, "stack_in_out": -1}.get(layout, 0)
 
 
+def blocks_cover(shape: torch.Size | tuple[int, ...], layout: str, sizes: Any) -> bool:
+    """Whether ``sizes`` (a ``matrix_blocks`` entry) are positive block sizes that add up to the output rows (dim
+    `block_dim`) of a parameter of this shape and layout: the check before a split, for `lightning_muon.Muon` and
+    `lightning_muon.route_parameters` alike."""
+    return not isinstance(sizes, str) and all(is_count(s) for s in sizes) and sum(sizes) == shape[block_dim(layout)]
+
+
 def blocks_of(group: dict[str, Any]) -> list[list[int] | None]:
     """The row blocks of each parameter of a param group (its ``matrix_blocks``; ``None``: one matrix, fused)."""
-    return group.get("matrix_blocks") or [None] * len(group["params"])
+    return group.get(MATRIX_BLOCKS) or [None] * len(group["params"])
 
 
 def split_blocks(tensor: Tensor, layout: str, sizes: list[int] | None) -> list[Tensor]:
@@ -202,19 +226,6 @@ def group_effective_lrs(group: dict[str, Any]) -> list[float]:
     return lrs
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: how param groups keep ``ns_dtype`` (distributed checkpoints
-    cannot save a ``torch.dtype``)."""
-    return str(dtype).removeprefix("torch.")
-
-
-@functools.cache
-def _dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."))
-    assert isinstance(dtype, torch.dtype)
-    return dtype
-
-
 def ns_dtype(group: dict[str, Any]) -> torch.dtype:
     """A group's Newton-Schulz dtype: stored by name (a torch.dtype from older state dicts works too); ``None``
     (`lightning_muon.Muon`'s default) leaves it to the hardware of the group's device (bf16 where native, else
@@ -223,7 +234,11 @@ def ns_dtype(group: dict[str, Any]) -> torch.dtype:
     if dtype is None:
         params = group["params"]
         return _precision.ns_dtype_for(params[0].device if params else torch.device("cpu"))
-    return dtype if isinstance(dtype, torch.dtype) else _dtype_from_name(dtype)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    named = _precision.dtype_named(dtype)
+    assert named is not None, f"ns_dtype {dtype!r} names no torch dtype"  # Muon keeps valid names only
+    return named
 
 
 def ns_dtype_line(optimizer: torch.optim.Optimizer | None) -> str | None:
@@ -274,11 +289,11 @@ def batch_cap(group: dict[str, Any], device: torch.device) -> int:
 def describe_param(group: dict[str, Any], i: int, index: int) -> str:
     """``parameter `name` (index 3)`` for messages (``i``: the position in the group, ``index``: in the
     optimizer); the index alone when the group has no names."""
-    names = group.get("param_names")
+    names = group.get(PARAM_NAMES)
     return f"parameter `{names[i]}` (index {index})" if names else f"parameter {index}"
 
 
 def param_name(group: dict[str, Any], i: int, index: int) -> str:
     """The name diagnostics give a parameter: its ``param_names`` entry, else ``<group name>.<index>``."""
-    names = group.get("param_names")
-    return names[i] if names else f"{group.get('name', 'params')}.{index}"
+    names = group.get(PARAM_NAMES)
+    return names[i] if names else f"{group.get(NAME, 'params')}.{index}"

@@ -21,7 +21,8 @@ dict can move between the two for 2D parameters. Beyond it:
 - the Newton-Schulz compute dtype is a choice (``ns_dtype``), by default the hardware's: bf16 where native,
   float32 where bf16 would be emulated;
 - the update rule is a choice: NorMuon's per-neuron normalisation (``normuon_beta2``), and cautious
-  weight decay (``cautious_weight_decay``);
+  weight decay (``cautious_weight_decay``), or a rule of your own, selected by its param-group key
+  (`lightning_muon.optim.rules`: one class each);
 - ``adjust_lr_fn`` also offers ``"spectral"`` and ``"none"``;
 - on request, a step records how orthogonal each update was
   (`Muon.record_diagnostics`), at no cost on other steps;
@@ -45,14 +46,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_muon.optim import _precision, groups
+from lightning_muon.optim._bucket import Chooser, ParamDiagnostics
 from lightning_muon.optim._choice import StrategyChoice, StrategyInfo
 from lightning_muon.optim._dtensor import fsdp1_flattened, is_dtensor
 from lightning_muon.optim._given import GivenShapes
 from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES
-from lightning_muon.optim._update import Chooser, ParamDiagnostics
 from lightning_muon.optim.defaults import DEFAULT_GRAM_ASPECT, MUON_CLASS
 from lightning_muon.optim.groups import ADJUST_LR_FNS, adjust_lr, is_count
 from lightning_muon.optim.newton_schulz import NS_COEFFICIENT_SCHEDULES
+from lightning_muon.optim.rules import CautiousWeightDecay, NorMuon, rules_for
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -79,9 +81,10 @@ def _valid_coefficients(value: Any) -> bool:
 
 
 #: The constructor's checks, in order, as ``torch.optim.Muon`` words them: argument -> (its name in the message,
-#: whether a value is valid, what it must be). Stricter than torch on ``momentum`` (at 1 the buffer never takes
-#: in a gradient, so the matrices never move; above 1 it grows without bound: NaN weights from finite
-#: gradients) and ``ns_steps`` (0 steps would apply the normalised momentum itself, not an orthogonalised update).
+#: whether a value is valid, what it must be); an update rule's setting as the rule checks it (`UpdateRule.valid`).
+#: Stricter than torch on ``momentum`` (at 1 the buffer never takes in a gradient, so the matrices never move;
+#: above 1 it grows without bound: NaN weights from finite gradients) and ``ns_steps`` (0 steps would apply the
+#: normalised momentum itself, not an orthogonalised update).
 _CHECKS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     "lr": ("learning rate lr", lambda v: 0.0 <= v, "must be >= 0"),
     "momentum": ("momentum value", lambda v: 0.0 <= v < 1.0, "must be in [0, 1); Keller Jordan's default is 0.95"),
@@ -105,12 +108,7 @@ _CHECKS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
         "must be None (by hardware) or a floating dtype, e.g. torch.bfloat16",
     ),
     "ns_batch_bytes": ("ns_batch_bytes", lambda v: v is None or is_count(v, minimum=0), "must be None or an int >= 0"),
-    "normuon_beta2": (
-        "normuon_beta2",
-        lambda v: v is None or (_is_number(v) and 0.0 <= v < 1.0),
-        "must be None (plain Muon) or a number in [0, 1) (NorMuon; 0.95 is dion's and the paper's)",
-    ),
-    "cautious_weight_decay": ("cautious_weight_decay", lambda v: isinstance(v, bool), "must be True or False"),
+    **{rule.key: (rule.key, rule().valid, rule.must) for rule in (NorMuon, CautiousWeightDecay)},
 }
 
 
@@ -123,7 +121,7 @@ def _group_defaults(arguments: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"Tensor lr must be 1-element, got shape {tuple(lr.shape)}")
     ns_dtype = arguments["ns_dtype"]
     if isinstance(ns_dtype, str):  # "bfloat16" or "torch.bfloat16", as YAML and saved hparams spell it
-        ns_dtype = getattr(torch, ns_dtype.removeprefix("torch."), ns_dtype)
+        ns_dtype = _precision.dtype_named(ns_dtype) or ns_dtype  # an unknown name stays, to be refused
     for name, (what, valid, must) in _CHECKS.items():
         value = ns_dtype if name == "ns_dtype" else arguments[name]
         if not valid(value):
@@ -132,8 +130,42 @@ def _group_defaults(arguments: dict[str, Any]) -> dict[str, Any]:
     return {
         **arguments,
         "ns_coefficients": coefficients if isinstance(coefficients, str) else tuple(coefficients),
-        "ns_dtype": None if ns_dtype is None else groups.dtype_name(ns_dtype),
+        "ns_dtype": None if ns_dtype is None else _precision.dtype_name(ns_dtype),
     }
+
+
+def _check_group(group: dict[str, Any], first_index: int, choice: StrategyChoice) -> None:
+    """Refuse a param group Muon cannot take (`Muon.add_param_group`): a per-parameter list of the wrong length, an
+    update rule's bad setting, two rules that each decay, a parameter it cannot step (named)."""
+    count = len(group["params"])
+    layouts = group.get(groups.MATRIX_LAYOUTS)
+    if layouts is not None and (isinstance(layouts, str) or len(layouts) != count):
+        raise ValueError(
+            f"matrix_layouts must be a list with one of {groups.LAYOUTS} per parameter of the group ({count}), "
+            f"got {layouts!r}"
+        )
+    blocks = group.get(groups.MATRIX_BLOCKS)
+    if blocks is not None and (isinstance(blocks, str) or len(blocks) != count):
+        raise ValueError(
+            f"matrix_blocks must be a list with None or a list of block sizes per parameter of the group ({count}), "
+            f"got {blocks!r}"
+        )
+    chosen = rules_for(group)
+    for rule in chosen:
+        if not rule.valid(group[rule.key]):
+            raise ValueError(f"Invalid {rule.key}: {group[rule.key]!r} ({rule.must})")
+    decaying = [rule.key for rule in chosen if rule.decays]
+    if len(decaying) > 1:
+        raise ValueError(f"the update rules of {', '.join(decaying)} each decay the weights their own way; "
+                         "choose one of them for the group")
+    for i, (p, layout, sizes) in enumerate(zip(group["params"], groups.layouts_of(group), groups.blocks_of(group),
+                                               strict=True)):
+        problem = _param_refusal(choice, p, layout, sizes)
+        if problem is not None:
+            raise ValueError(
+                f"Muon got {groups.describe_param(group, i, first_index + i)} of shape "
+                f"{tuple(p.shape)}: " + problem
+            )
 
 
 def _refusal(p: Tensor, layout: str) -> str | None:
@@ -162,8 +194,8 @@ def _block_refusal(p: Tensor, layout: str, sizes: Any) -> str | None:
     """Why Muon cannot split ``p`` into these row blocks (a param group's ``matrix_blocks`` entry), or ``None``."""
     if sizes is None:
         return None
-    rows = p.shape[groups.block_dim(layout)] if p.ndim >= 2 else 0
-    if isinstance(sizes, str) or not all(is_count(s) for s in sizes) or sum(sizes) != rows:
+    if not groups.blocks_cover(p.shape, layout, sizes):
+        rows = p.shape[groups.block_dim(layout)]
         return (
             f"its matrix_blocks {sizes!r} must be positive block sizes that add up to its {rows} output rows "
             f"(dim {groups.block_dim(layout)} for the layout {layout!r})."
@@ -328,34 +360,15 @@ class Muon(Optimizer):
     # ------------------------------------------------------------------ groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group, refusing parameters with fewer than 2 dimensions."""
+        """Add a param group, refusing parameters with fewer than 2 dimensions (and bad layouts, blocks or update
+        rule settings: `lightning_muon.optim.rules`)."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        first_index = sum(len(g["params"]) for g in self.param_groups[:-1])
-        layouts = group.get("matrix_layouts")
-        if layouts is not None and (isinstance(layouts, str) or len(layouts) != len(group["params"])):
-            self.param_groups.pop()
-            raise ValueError(
-                f"matrix_layouts must be a list with one of {groups.LAYOUTS} per parameter of the group "
-                f"({len(group['params'])}), got {layouts!r}"
-            )
-        blocks = group.get("matrix_blocks")
-        if blocks is not None and (isinstance(blocks, str) or len(blocks) != len(group["params"])):
-            self.param_groups.pop()
-            raise ValueError(
-                f"matrix_blocks must be a list with None or a list of block sizes per parameter of the group "
-                f"({len(group['params'])}), got {blocks!r}"
-            )
-        layouts, blocks = groups.layouts_of(group), groups.blocks_of(group)
-        for i, (p, layout, sizes) in enumerate(zip(group["params"], layouts, blocks, strict=True)):
-            problem = _param_refusal(self._choice, p, layout, sizes)
-            if problem is not None:
-                self.param_groups.pop()  # refuse the whole group, as if it had never been added
-                raise ValueError(
-                    f"Muon got {groups.describe_param(group, i, first_index + i)} of shape {tuple(p.shape)}: "
-                    + problem
-                )
-        self._given.record(group["params"])
+        try:
+            _check_group(self.param_groups[-1], sum(len(g["params"]) for g in self.param_groups[:-1]), self._choice)
+        except ValueError:
+            self.param_groups.pop()  # refuse the whole group, as if it had never been added
+            raise
+        self._given.record(self.param_groups[-1]["params"])
 
     def __getstate__(self) -> dict[str, Any]:
         # torch's keeps defaults, state and param_groups: the settings of this optimizer travel too (a copy
@@ -419,6 +432,7 @@ class Muon(Optimizer):
         stacks = any(layout in groups.STACKED for group in self.param_groups for layout in groups.layouts_of(group))
         strategy = self._choice.for_step(every, self.split_ns, stacks)
         _precision.settle(self.param_groups, self._choice.process_group)  # ns_dtype=None: by hardware, ranks agreed
+        # The buckets carry each group's settings, resolved once (`_bucket.settings_of`), to every stage.
         diagnostics = strategy.run(strategy.buckets(self.param_groups, self.state, diagnose is not None), diagnose)
         self.last_exchange_bytes = strategy.exchanged_bytes
         if diagnose is not None:

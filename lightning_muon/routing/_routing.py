@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_muon.optim.groups import MATRIX_BLOCKS, MATRIX_LAYOUTS, NAME
 from lightning_muon.routing import _table
 from lightning_muon.routing._route import Route
 from lightning_muon.routing._vocabulary import Algorithm, Group
@@ -43,11 +44,11 @@ class Routing:
             routes = [r for r in self.routes if r.optimizer is algorithm and r.group == group]
             if not routes:
                 continue
-            groups.append({"name": group.value, "params": [(r.name, self.params[r.name]) for r in routes]})
+            groups.append({NAME: group.value, "params": [(r.name, self.params[r.name]) for r in routes]})
             if any(r.layout != "flatten" for r in routes):  # only where needed: plain groups stay as they were
-                groups[-1]["matrix_layouts"] = [r.layout for r in routes]
+                groups[-1][MATRIX_LAYOUTS] = [r.layout for r in routes]
             if any(r.blocks for r in routes):
-                groups[-1]["matrix_blocks"] = [list(r.blocks) if r.blocks else None for r in routes]
+                groups[-1][MATRIX_BLOCKS] = [list(r.blocks) if r.blocks else None for r in routes]
         return groups
 
     @property

@@ -503,8 +503,8 @@ def _check_blocks(r: Route, p: Tensor, sizes: tuple[int, ...], pattern: str | No
     if not muon_nd:
         raise ValueError(f"{origin} splits `{r.name}` into blocks, which torch.optim.Muon cannot do (it would "
                          "orthogonalise the fused matrix): use lightning_muon.Muon, or drop the blocks")
-    rows = p.shape[groups.block_dim(r.layout)]
-    if not all(isinstance(s, int) and s > 0 for s in sizes) or sum(sizes) != rows:
+    if not groups.blocks_cover(p.shape, r.layout, sizes):
+        rows = p.shape[groups.block_dim(r.layout)]
         raise ValueError(f"{origin} gives `{r.name}` of shape {tuple(p.shape)} the blocks {list(sizes)}, which do not "
                          f"add up to its {rows} output rows; give positive sizes that do")
 

@@ -1,4 +1,4 @@
-"""`lightning_muon.optim._norms`: norms, clipping and finiteness over a mix of plain tensors and DTensors on two
+"""`lightning_muon.optim.norms`: norms, clipping and finiteness over a mix of plain tensors and DTensors on two
 meshes (what tensor parallelism and 2-D training give the mixin), in this process on a one-rank gloo group: the
 same numbers as over the whole tensors, where torch's own foreach kernels refuse the mix."""
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from lightning_muon.optim import _norms
+from lightning_muon.optim import norms as _norms
 
 
 @pytest.fixture

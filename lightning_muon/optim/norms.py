@@ -1,6 +1,6 @@
 """Norms, finiteness and clipping over a mix of plain tensors and DTensors on one or several meshes, and the
-one-flag-per-tensor agreement of the ranks (`any_rank`). Plumbing every subpackage may import (the mixin's update
-loop and checks, the monitor), with `lightning_muon.optim._dtensor`.
+one-flag-per-tensor agreement of the ranks (`any_rank`). Plumbing the optimizer and the subpackages above it share
+(the mixin's update loop and checks): its ``__all__`` is what they import.
 
 Under tensor parallelism (Lightning's ``ModelParallelStrategy`` with ``parallelize_module``) a model's
 parameters are DTensors where the plan shards them and plain tensors elsewhere (its embedding, norms and head in
@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_muon.optim._dtensor import is_dtensor
+
+__all__ = ["any_rank", "by_mesh", "clip_value_", "clip_with_norm_", "is_finite", "total_norm"]
 
 
 def by_mesh(tensors: Iterable[Tensor]) -> list[list[Tensor]]:
