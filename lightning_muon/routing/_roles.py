@@ -9,6 +9,7 @@ recognised by name (transformers' ``Conv1D``).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 
@@ -201,6 +202,78 @@ def _litgpt_qkv(config: object) -> tuple[int, int, int] | None:
     if not all(isinstance(v, int) for v in (heads, groups, size)):
         return None
     return heads * size, groups * size, groups * size  # type: ignore[operator]
+
+
+#: torch's parametrizations (``torch.nn.utils.parametrizations``) by class name, in words.
+_PARAMETRIZATIONS = {"_WeightNorm": "weight norm", "_SpectralNorm": "spectral norm", "_Orthogonal": "orthogonal"}
+#: torch's older hook-based reparametrizations (``torch.nn.utils.weight_norm``, ``torch.nn.utils.spectral_norm``):
+#: the hook's class name -> (in words, the suffix of each parameter it registers -> what of the tensor it is).
+_REPARAMETRIZATION_HOOKS = {
+    "WeightNorm": ("weight norm", {"_g": "magnitude", "_v": "direction"}),
+    "SpectralNorm": ("spectral norm", {"_orig": ""}),
+}
+
+
+@dataclass(frozen=True)
+class Parametrized:
+    """A parameter that is not a layer's tensor but makes it through a parametrization: torch's
+    ``parametrizations.weight.original0`` (weight norm's magnitude), ``original1`` (its direction), ``original``
+    (spectral norm's, orthogonal's, any one-tensor parametrization's), or the older ``weight_g``, ``weight_v`` and
+    ``weight_orig``. Its rules are its layer's: a weight-normed conv's direction is that conv's kernel."""
+
+    #: The name of the layer (module) whose tensor it makes (``""``: the model itself).
+    layer: str
+    #: The name of that tensor in the layer (``weight``).
+    tensor: str
+    #: The parametrization, in words (``weight norm``; several: ``weight norm, then MyScale``).
+    by: str
+    #: What of the tensor it is: ``"magnitude"`` (weight norm's: one scale per output), ``"direction"`` (weight
+    #: norm's), ``""`` (the tensor before the parametrization), or ``"original<i>"`` (one of several of a
+    #: parametrization this package does not know).
+    part: str
+
+    @property
+    def words(self) -> str:
+        """What it is, for a reason: ``weight norm's direction of `conv.weight```."""
+        what = {"magnitude": "magnitude", "direction": "direction", "": "original"}.get(self.part, self.part)
+        return f"{self.by}'s {what} of `{self.qualified}`"
+
+    @property
+    def qualified(self) -> str:
+        """The tensor it makes, by its full name (``conv.weight``)."""
+        return f"{self.layer}.{self.tensor}" if self.layer else self.tensor
+
+
+def parametrized(module: nn.Module) -> dict[str, Parametrized]:
+    """The parameters of ``module`` that make a layer's tensor through a parametrization (`Parametrized`), by
+    full name: torch's ``register_parametrization`` (weight norm, spectral norm, orthogonal, any other) and the
+    older hook-based ``torch.nn.utils.weight_norm`` and ``spectral_norm``."""
+    found: dict[str, Parametrized] = {}
+    for name, m in module.named_modules():
+        prefix = f"{name}." if name else ""
+        lists = getattr(m, "parametrizations", None)
+        if isinstance(lists, nn.ModuleDict):
+            for tensor, chain in lists.items():
+                kinds = [type(p).__name__ for p in chain] if isinstance(chain, nn.ModuleList) else []
+                by = ", then ".join(_PARAMETRIZATIONS.get(k, k) for k in kinds) or "a parametrization"
+                originals = [n for n, _ in chain.named_parameters(recurse=False) if n.startswith("original")]
+                weight_norm = kinds[:1] == ["_WeightNorm"] and set(originals) == {"original0", "original1"}
+                for original in originals:
+                    if weight_norm:
+                        part = "magnitude" if original == "original0" else "direction"
+                    else:
+                        part = "" if original == "original" else original
+                    found[f"{prefix}parametrizations.{tensor}.{original}"] = Parametrized(name, tensor, by, part)
+        for hook in getattr(m, "_forward_pre_hooks", {}).values():
+            known = _REPARAMETRIZATION_HOOKS.get(type(hook).__name__)
+            hooked = getattr(hook, "name", None)
+            if known is None or not isinstance(hooked, str) or not type(hook).__module__.startswith("torch.nn"):
+                continue
+            by, parts = known
+            for suffix, part in parts.items():
+                if isinstance(getattr(m, hooked + suffix, None), nn.Parameter):
+                    found[f"{prefix}{hooked}{suffix}"] = Parametrized(name, hooked, by, part)
+    return found
 
 
 def is_table(param_name: str, param: Tensor) -> bool:
