@@ -1,9 +1,13 @@
 """`OptimizerPair`: a fit's optimizers (Muon's first, then AdamW's) and where each of their param groups came from.
 
-A group is one of three origins (`Origin`), recorded as data, never read from its name:
+A group is one of four origins (`Origin`), recorded as data, never read from its name:
 
 - **routed**: a group of the routing (``hidden``, ``head``, ...), built with the optimizers and corrected by the
   first training batch (`regroup`);
+- **late**: a group of the routing that an optimizer did not hold when a later batch first reached parameters
+  the first batch did not, and the routing sent them there (`place`): added at the end of that optimizer's groups
+  with the settings of its first group, it follows that group through every scheduler step (its schedulers were
+  built for the groups before it);
 - **placeholder**: the empty group an optimizer is built with where the start of a fit with a finetuning callback
   routes nothing to it (a frozen backbone under a linear head: no matrix trains at first), so that both
   optimizers exist when the callback unfreezes something for them;
@@ -17,11 +21,12 @@ A group is one of three origins (`Origin`), recorded as data, never read from it
   (`add_waiting`), at the same fraction of its lr as the callback asked of the one it offered them to. The
   group's other settings go to the optimizers that have them (``weight_decay`` to both, ``betas`` to AdamW's).
 
-The pair is the one place that builds the groups, corrects them after the first batch, accepts a group a callback
-adds, gives schedulers the groups they were built with (`scheduled_groups`: the added ones keep the lr the callback
-gives them), and records and restores the groups in a checkpoint (`record`, `restore`): a checkpoint restored
-into a running fit (Lightning's batch-size finder) gets optimizers that hold its groups before torch loads its
-states into them, or a refusal that says why.
+The pair is the one place that builds the groups, corrects them after the first batch, places what a later batch
+first reaches, accepts a group a callback adds, gives schedulers the groups they were built with
+(`scheduled_groups`: the added ones keep the lr the callback gives them, the late ones follow), and records and
+restores the groups in a checkpoint (`record`, `restore`): a checkpoint restored into a running fit (Lightning's
+batch-size finder) gets optimizers that hold its groups before torch loads its states into them, or a refusal
+that says why.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class Origin(str, Enum):
     ROUTED = "routed"
     PLACEHOLDER = "placeholder"
     ADDED = "added"
+    LATE = "late"
 
 
 #: The name of the empty group an optimizer holds where the routing gives it nothing yet (the name the routing
@@ -61,6 +67,37 @@ PLACEHOLDER_NAMES = {MUON: Group.HIDDEN.value, ADAMW: Group.OTHER.value}
 ADDED_NAME = "unfrozen_{}"
 #: The keys of an offered group that the routing decides itself (the lr is scaled per optimizer).
 _ROUTED_KEYS = {"params", "lr", "name", "param_names", "matrix_layouts", "matrix_blocks"}
+#: The keys of a group that say what it holds (the rest are its settings, which schedulers may move).
+_STRUCTURE_KEYS = {"params", "name", "param_names", "matrix_layouts", "matrix_blocks"}
+
+
+def _settings_of(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings (lr, momentum, betas, weight decay, what schedulers add: ``initial_lr``, ...)."""
+    return {key: value for key, value in group.items() if key not in _STRUCTURE_KEYS}
+
+
+def _structure_of(group: dict[str, Any] | None) -> dict[str, Any]:
+    """What a param group holds (its parameters, their names, layouts and blocks); empty for ``None``."""
+    if group is None:
+        return {"params": [], "param_names": []}
+    return {key: value for key, value in group.items() if key in _STRUCTURE_KEYS - {"name"}}
+
+
+def _empty_group(name: str) -> dict[str, Any]:
+    return {"name": name, "params": [], "param_names": []}
+
+
+def arranged(wanted: dict[str, list[dict[str, Any]]], algorithms: list[str],
+             layouts: list[Layout]) -> dict[str, list[dict[str, Any]]]:
+    """``wanted``'s groups (by algorithm) in the order of ``layouts`` (what the fit's optimizers, ``algorithms``,
+    held: a checkpoint's record), with an empty group where they held one that ``wanted`` has not (a group whose
+    parameters a later batch moved away, a placeholder), and after them any other."""
+    done = dict(wanted)
+    for algorithm, layout in zip(algorithms, layouts, strict=False):
+        groups = {g["name"]: g for g in wanted.get(algorithm, [])}
+        order = [groups.pop(name) if name in groups else _empty_group(name) for name, _ in layout]
+        done[algorithm] = order + list(groups.values())
+    return done
 
 #: One optimizer's groups as ``[group name, [parameter names]]``: what a checkpoint records of it.
 Layout = list[list[Any]]
@@ -176,6 +213,11 @@ class OptimizerPair:
         #: Parts of added groups waiting for their optimizer: (algorithm, part, the ids of every tensor of the group
         #: offered), in the order they were routed.
         self._waiting: list[tuple[str, dict[str, Any], set[int]]] = []
+        #: The late groups of each optimizer by algorithm, in order (`place`).
+        self.late: dict[str, list[str]] = {}
+        #: Whether the groups were arranged for what later batches reach (`place`, or a placeholder kept by
+        #: `regroup` for them): a checkpoint then records their order and empty groups, and `restore` keeps them.
+        self.arranged = False
 
     # ------------------------------------------------------------------ building
 
@@ -206,11 +248,17 @@ class OptimizerPair:
         """Which algorithm each of the fit's optimizers is, in order."""
         return list(self.optimizers)
 
-    def origin(self, group: dict[str, Any]) -> Origin:
-        """Where ``group`` (one of the pair's) came from."""
+    def origin(self, group: dict[str, Any], algorithm: str | None = None) -> Origin:
+        """Where ``group`` (one of the pair's; of the ``algorithm`` optimizer, where it may be a late one) came
+        from."""
         if group.get("name") in self.added:
             return Origin.ADDED
+        if algorithm is not None and group.get("name") in self.late.get(algorithm, ()):
+            return Origin.LATE
         return Origin.ROUTED if group["params"] else Origin.PLACEHOLDER
+
+    def _algorithm_of(self, optimizer: Optimizer) -> str | None:
+        return next((a for a, o in self.optimizers.items() if o is optimizer), None)
 
     # ------------------------------------------------------------------ the first batch
 
@@ -238,10 +286,11 @@ class OptimizerPair:
         """Whether the optimizers hold ``routing``'s groups (`wanted_groups`)."""
         return self.layouts() == self._layouts_of(self._wanted(routing))
 
-    def regroup(self, trainer: pl.Trainer, routing: Routing) -> None:
+    def regroup(self, trainer: pl.Trainer, routing: Routing, keep_both: bool = False) -> None:
         """Give the optimizers (which hold no state yet) ``routing``'s groups (`wanted_groups`), in place, and
         build their schedulers again for the groups they were built with. The optimizer objects stay the same
-        (callbacks may hold them); one left without parameters steps nothing."""
+        (callbacks may hold them); one left without parameters steps nothing, or, with ``keep_both`` (a later batch
+        may place parameters in it), holds a placeholder group whose settings its schedulers move."""
         if any(o.state for o in self.optimizers.values()):
             raise RuntimeError("lightning_muon: the routing can only be corrected before the optimizers' first step")
         # The tensors the optimizers hold, by name: during a training step FSDP2's modules hold unsharded copies of
@@ -258,7 +307,68 @@ class OptimizerPair:
                 "BaseFinetuning.freeze_before_training runs), and unfreeze during the fit with a finetuning callback "
                 "(BaseFinetuning.unfreeze_and_add_param_group), which adds them to the optimizers."
             )
-        self._set_groups(trainer, self._wanted(routing), held, routing)
+        wanted = self._wanted(routing)
+        if keep_both and not self.keep_both:
+            for algorithm in self.optimizers:
+                self.arranged |= not wanted[algorithm]
+                wanted[algorithm] = wanted[algorithm] or [placeholder_group(algorithm)]
+        self._set_groups(trainer, wanted, held, routing)
+
+    # ------------------------------------------------------------------ what a later batch first reaches
+
+    def stepped(self, names: Iterable[str]) -> set[str]:
+        """Those of ``names`` whose tensors hold optimizer state that is not all zeros (a fresh buffer steps as
+        none): moving them would lose what their optimizer learned."""
+        wanted = set(names)
+        found = set()
+        for optimizer in self.optimizers.values():
+            for group in optimizer.param_groups:
+                for name, p in zip(group["param_names"], group["params"], strict=True):
+                    state = optimizer.state.get(p) if name in wanted else None
+                    if state and any(isinstance(v, Tensor) and bool(v.any()) for k, v in state.items() if k != "step"):
+                        found.add(name)
+        return found
+
+    def place(self, routing: Routing) -> list[str]:
+        """Make the optimizers hold ``routing``'s groups where it moves parameters that hold no optimizer state (a
+        later batch first reached them: moving them costs nothing). A moved parameter leaves its group (an emptied
+        group stays, so that every scheduler keeps the groups it steps) and joins the group of its route, in
+        routing order, or a new late group of that name at the end of its optimizer's groups, with the settings of
+        the optimizer's first group (`Origin.LATE`, see the module's docstring). Returns the moved parameters'
+        names. Their optimizers must exist in the fit (the caller keeps parameters for a missing one in place)."""
+        held = {n: p for o in self.optimizers.values() for g in o.param_groups
+                for n, p in zip(g["param_names"], g["params"], strict=True)}
+        # (what the optimizers do not hold yet, such as a parameter unfrozen by hand, stays out of them)
+        wanted = self._wanted(Routing([r for r in routing.routes if r.name in held], routing.params))
+        now = {n: (a, g["name"]) for a, o in self.optimizers.items() for g in o.param_groups for n in g["param_names"]}
+        then = {n: (a, g["name"]) for a, groups in wanted.items() for g in groups for n, _ in g["params"]}
+        moved = sorted(n for n in then if now.get(n) != then[n])
+        if not moved:
+            return []
+        if any(then[n][0] not in self.optimizers for n in moved):
+            raise RuntimeError(f"lightning_muon: {moved} would go to an optimizer this fit lacks")
+        self.arranged = True
+        touched = {then[n][0] for n in moved} | {now[n][0] for n in moved if n in now}
+        for algorithm in touched:
+            optimizer = self.optimizers[algorithm]
+            groups = [{**g, "params": [(n, held[n]) for n, _ in g["params"]]} for g in wanted[algorithm]]
+            built = {g["name"]: g for g in (self._build(algorithm, groups).param_groups if groups else [])}
+            kept = [{**_settings_of(g), "name": g["name"], **_structure_of(built.pop(g["name"], None))}
+                    for g in optimizer.param_groups]
+            template = _settings_of(optimizer.param_groups[0]) if optimizer.param_groups else {}
+            for name, group in built.items():  # a group this optimizer did not hold yet
+                kept.append({**_settings_of(group), **template, "name": name, **_structure_of(group)})
+                self.late.setdefault(algorithm, []).append(name)
+            optimizer.param_groups[:] = kept
+            for name in moved:
+                optimizer.state.pop(held[name], None)  # (a fresh, all-zero buffer: see `stepped`)
+        return moved
+
+    def _build(self, algorithm: str, groups: list[dict[str, Any]]) -> Optimizer:
+        """An optimizer of ``algorithm`` over ``groups``, built as the config builds the fit's (to read groups from)."""
+        if algorithm == ADAMW:
+            return self.config.build_adamw(groups)
+        return self.config.build(Algorithm.MUON, groups)
 
     def _set_groups(self, trainer: pl.Trainer, wanted: dict[str, list[dict[str, Any]]], held: dict[str, Tensor],
                     routing: Routing) -> None:
@@ -274,9 +384,8 @@ class OptimizerPair:
                     "alone)."
                 )
         for algorithm, optimizer in self.optimizers.items():
-            build = self.config.build_adamw if algorithm == ADAMW else functools.partial(self.config.build,
-                                                                                           Algorithm.MUON)
-            optimizer.param_groups[:] = build(groups[algorithm]).param_groups if groups[algorithm] else []
+            optimizer.param_groups[:] = self._build(algorithm, groups[algorithm]).param_groups if groups[algorithm] \
+                else []
         if self.config.lr_scheduler_factory is None:
             return
         with contextlib.ExitStack() as built_groups_only:
@@ -349,10 +458,13 @@ class OptimizerPair:
 
     @contextlib.contextmanager
     def scheduled_groups(self, optimizer: Optimizer) -> Iterator[None]:
-        """``optimizer`` showing only the groups it was built with (those before its first added group) while a
-        scheduler steps it: the finetuning callback owns the added groups' lr."""
+        """``optimizer`` showing only the groups it was built with (those before its first added or late group)
+        while a scheduler steps it: the finetuning callback owns the added groups' lr; the late groups then take
+        the settings the scheduler gave the first group."""
         groups = optimizer.param_groups
-        built = next((i for i, g in enumerate(groups) if self.origin(g) is Origin.ADDED), len(groups))
+        algorithm = self._algorithm_of(optimizer) if self.late else None
+        built = next((i for i, g in enumerate(groups) if self.origin(g, algorithm) in (Origin.ADDED, Origin.LATE)),
+                     len(groups))
         if built == len(groups):  # nothing added: the optimizer as it is (every scheduler step comes here)
             yield
             return
@@ -361,12 +473,21 @@ class OptimizerPair:
             yield
         finally:
             optimizer.param_groups = groups
+            if built:
+                settings = _settings_of(groups[0])
+                for group in groups[built:]:
+                    if self.origin(group, algorithm) is Origin.LATE:
+                        group.update(settings)
 
     # ------------------------------------------------------------------ checkpoints
 
     def record(self) -> dict[str, Any]:
-        """What a checkpoint records of the pair: each optimizer's groups (`layout_of`) and the added groups' names."""
-        return {"groups": self.layouts(), "added_groups": list(self.added)}
+        """What a checkpoint records of the pair: each optimizer's groups (`layout_of`), the added groups' names
+        and, where later batches arranged the groups (`arranged`), the late groups' by algorithm."""
+        record: dict[str, Any] = {"groups": self.layouts(), "added_groups": list(self.added)}
+        if self.arranged:
+            record["late_groups"] = {a: list(names) for a, names in self.late.items()}
+        return record
 
     def restore(self, trainer: pl.Trainer, saved: dict[str, Any], routing: Routing) -> None:
         """Make the optimizers hold the groups a checkpoint's record (``saved``) was saved with, before its optimizer
@@ -377,9 +498,13 @@ class OptimizerPair:
         if then is None:
             return
         self.added = saved_added(saved)
+        self.arranged = "late_groups" in saved
+        self.late = {a: list(names) for a, names in saved.get("late_groups", {}).items()}
         self._waiting = []
         # (the lrs do not matter: the checkpoint's param groups bring theirs when its states load)
         wanted = wanted_groups(routing, self.algorithms, members_of(then, self.added), {}, self.keep_both)
+        if self.arranged:  # groups later batches emptied, kept or added, where they were
+            wanted = arranged(wanted, self.algorithms, then)
         now = self._layouts_of(wanted)
         if now != then:
             lines = [f"  {name}: {_describe(a)} in the checkpoint, {_describe(b)} in this fit"

@@ -312,20 +312,23 @@ def _optimizer_config(module: MuonMixin) -> MuonConfig:
 
 
 def _run_step(module: MuonMixin, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """The parent's ``step`` under the update loop; the first batch of a fit with Muon is followed first."""
+    """The parent's ``step`` under the update loop; the first batch of a fit with Muon is followed first, and later
+    ones while it left parameters unreached (`FitState.follows`)."""
     fit, config = module._muon_fit, module._muon_config
     run = bind_step(step, args, kwargs, fit.compiler if fit is not None else None)
     settings = fit.settings if fit is not None else UpdateSettings(  # the fit's: its Trainer flags included
         config.gradient_clip_val, "norm", config.max_consecutive_skips)
-    if fit is None or module._muon_roles is not None or not module.muon_enabled:
+    if fit is None or not module.muon_enabled or not module.trainer.training \
+            or not fit.follows(module, module._muon_roles):
         return module._muon_loop.training_step(module, run, settings)
     batch = args[0] if args else kwargs.get("batch")
 
-    def run_first(run: Callable[[], Any]) -> Any:  # uncompiled: the trace follows eager code
-        output, module._muon_roles = fit.follow_first_batch(module, batch, bind_step(step, args, kwargs))
+    def run_followed(run: Callable[[], Any]) -> Any:  # uncompiled: the trace follows eager code
+        output, module._muon_roles = fit.follow_batch(module, batch, bind_step(step, args, kwargs),
+                                                      module._muon_roles)
         return output
 
-    return module._muon_loop.training_step(module, run, settings, run_first)
+    return module._muon_loop.training_step(module, run, settings, run_followed)
 
 
 def _load_checkpoint(module: MuonMixin, checkpoint: dict[str, Any]) -> None:
