@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.lightning import _checkpoint, _checks, _compat, _finetuning, _first_batch
 from lightning_muon.lightning._config import MuonConfig
+from lightning_muon.lightning._late import stepped
 from lightning_muon.lightning._pair import OptimizerPair, layout_of, saved_added_members
 from lightning_muon.lightning._update_loop import UpdateSettings
 from lightning_muon.optim.groups import ns_dtype_line
@@ -223,7 +224,7 @@ class FitState:
         newly = roles.unreached - seen.unreached
         if not newly:
             return roles
-        roles = roles.reached(self.pair.stepped(newly))
+        roles = roles.reached(stepped(self.pair.optimizers.values(), newly))
         before = self.config.route(module, roles)
         merged = roles.merge(seen)
         after = self.config.route(module, merged)

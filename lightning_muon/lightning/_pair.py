@@ -5,9 +5,8 @@ A group is one of four origins (`Origin`), recorded as data, never read from its
 - **routed**: a group of the routing (``hidden``, ``head``, ...), built with the optimizers and corrected by the
   first training batch (`regroup`);
 - **late**: a group of the routing that an optimizer did not hold when a later batch first reached parameters
-  the first batch did not, and the routing sent them there (`place`): added at the end of that optimizer's groups
-  with the settings of its first group, it follows that group through every scheduler step (its schedulers were
-  built for the groups before it);
+  the first batch did not, and the routing sent them there (`place`, `lightning_muon.lightning._late`): added at the
+  end of that optimizer's groups, it follows its first group through every scheduler step;
 - **placeholder**: the empty group an optimizer is built with where the start of a fit with a finetuning callback
   routes nothing to it (a frozen backbone under a linear head: no matrix trains at first), so that both
   optimizers exist when the callback unfreezes something for them;
@@ -42,6 +41,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_muon.lightning._late import LaterGroups, Layout, held_tensors
 from lightning_muon.routing import ADAMW, MUON, Algorithm, Group, Routing
 
 if TYPE_CHECKING:
@@ -67,42 +67,6 @@ PLACEHOLDER_NAMES = {MUON: Group.HIDDEN.value, ADAMW: Group.OTHER.value}
 ADDED_NAME = "unfrozen_{}"
 #: The keys of an offered group that the routing decides itself (the lr is scaled per optimizer).
 _ROUTED_KEYS = {"params", "lr", "name", "param_names", "matrix_layouts", "matrix_blocks"}
-#: The keys of a group that say what it holds (the rest are its settings, which schedulers may move).
-_STRUCTURE_KEYS = {"params", "name", "param_names", "matrix_layouts", "matrix_blocks"}
-
-
-def _settings_of(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's settings (lr, momentum, betas, weight decay, what schedulers add: ``initial_lr``, ...)."""
-    return {key: value for key, value in group.items() if key not in _STRUCTURE_KEYS}
-
-
-def _structure_of(group: dict[str, Any] | None) -> dict[str, Any]:
-    """What a param group holds (its parameters, their names, layouts and blocks); empty for ``None``."""
-    if group is None:
-        return {"params": [], "param_names": []}
-    return {key: value for key, value in group.items() if key in _STRUCTURE_KEYS - {"name"}}
-
-
-def _empty_group(name: str) -> dict[str, Any]:
-    return {"name": name, "params": [], "param_names": []}
-
-
-def arranged(wanted: dict[str, list[dict[str, Any]]], algorithms: list[str],
-             layouts: list[Layout]) -> dict[str, list[dict[str, Any]]]:
-    """``wanted``'s groups (by algorithm) in the order of ``layouts`` (what the fit's optimizers, ``algorithms``,
-    held: a checkpoint's record), with an empty group where they held one that ``wanted`` has not (a group whose
-    parameters a later batch moved away, a placeholder), and after them any other."""
-    done = dict(wanted)
-    for algorithm, layout in zip(algorithms, layouts, strict=False):
-        groups = {g["name"]: g for g in wanted.get(algorithm, [])}
-        order = [groups.pop(name) if name in groups else _empty_group(name) for name, _ in layout]
-        done[algorithm] = order + list(groups.values())
-    return done
-
-#: One optimizer's groups as ``[group name, [parameter names]]``: what a checkpoint records of it.
-Layout = list[list[Any]]
-
-
 def layout_of(optimizer: Optimizer) -> Layout:
     """What ``optimizer`` holds: ``[group name, [parameter names]]`` per group (the positions its states are
     saved by)."""
@@ -213,11 +177,8 @@ class OptimizerPair:
         #: Parts of added groups waiting for their optimizer: (algorithm, part, the ids of every tensor of the group
         #: offered), in the order they were routed.
         self._waiting: list[tuple[str, dict[str, Any], set[int]]] = []
-        #: The late groups of each optimizer by algorithm, in order (`place`).
-        self.late: dict[str, list[str]] = {}
-        #: Whether the groups were arranged for what later batches reach (`place`, or a placeholder kept by
-        #: `regroup` for them): a checkpoint then records their order and empty groups, and `restore` keeps them.
-        self.arranged = False
+        #: The late groups and what later batches arranged (`place`).
+        self.later = LaterGroups()
 
     # ------------------------------------------------------------------ building
 
@@ -253,12 +214,9 @@ class OptimizerPair:
         from."""
         if group.get("name") in self.added:
             return Origin.ADDED
-        if algorithm is not None and group.get("name") in self.late.get(algorithm, ()):
+        if self.later.is_late(algorithm, group):
             return Origin.LATE
         return Origin.ROUTED if group["params"] else Origin.PLACEHOLDER
-
-    def _algorithm_of(self, optimizer: Optimizer) -> str | None:
-        return next((a for a, o in self.optimizers.items() if o is optimizer), None)
 
     # ------------------------------------------------------------------ the first batch
 
@@ -295,74 +253,26 @@ class OptimizerPair:
             raise RuntimeError("lightning_muon: the routing can only be corrected before the optimizers' first step")
         # The tensors the optimizers hold, by name: during a training step FSDP2's modules hold unsharded copies of
         # their parameters, while the optimizers must keep the sharded ones they were built with.
-        held = {n: p for o in self.optimizers.values() for g in o.param_groups
-                for n, p in zip(g["param_names"], g["params"], strict=True)}
+        held = held_tensors(self.optimizers.values())
         routed = {r.name for r in routing.routes}
         if set(held) != routed:
-            raise MisconfigurationException(
-                "The trainable parameters changed between building the optimizers and the first training batch: "
-                f"now trainable but in no optimizer: {sorted(routed - set(held))[:10]}; in an optimizer but now "
-                f"frozen: {sorted(set(held) - routed)[:10]}. A hook or callback froze or unfroze them in between. "
-                "Freeze before the optimizers are built (in __init__, configure_model or a callback's setup, where "
-                "BaseFinetuning.freeze_before_training runs), and unfreeze during the fit with a finetuning callback "
-                "(BaseFinetuning.unfreeze_and_add_param_group), which adds them to the optimizers."
-            )
+            raise _trainables_changed(set(held), routed)
         wanted = self._wanted(routing)
         if keep_both and not self.keep_both:
-            for algorithm in self.optimizers:
-                self.arranged |= not wanted[algorithm]
-                wanted[algorithm] = wanted[algorithm] or [placeholder_group(algorithm)]
+            self.later.keep(wanted, placeholder_group, self.optimizers)
         self._set_groups(trainer, wanted, held, routing)
 
     # ------------------------------------------------------------------ what a later batch first reaches
 
-    def stepped(self, names: Iterable[str]) -> set[str]:
-        """Those of ``names`` whose tensors hold optimizer state that is not all zeros (a fresh buffer steps as
-        none): moving them would lose what their optimizer learned."""
-        wanted = set(names)
-        found = set()
-        for optimizer in self.optimizers.values():
-            for group in optimizer.param_groups:
-                for name, p in zip(group["param_names"], group["params"], strict=True):
-                    state = optimizer.state.get(p) if name in wanted else None
-                    if state and any(isinstance(v, Tensor) and bool(v.any()) for k, v in state.items() if k != "step"):
-                        found.add(name)
-        return found
-
     def place(self, routing: Routing) -> list[str]:
         """Make the optimizers hold ``routing``'s groups where it moves parameters that hold no optimizer state (a
-        later batch first reached them: moving them costs nothing). A moved parameter leaves its group (an emptied
-        group stays, so that every scheduler keeps the groups it steps) and joins the group of its route, in
-        routing order, or a new late group of that name at the end of its optimizer's groups, with the settings of
-        the optimizer's first group (`Origin.LATE`, see the module's docstring). Returns the moved parameters'
-        names. Their optimizers must exist in the fit (the caller keeps parameters for a missing one in place)."""
-        held = {n: p for o in self.optimizers.values() for g in o.param_groups
-                for n, p in zip(g["param_names"], g["params"], strict=True)}
+        later batch first reached them: moving them costs nothing), as `LaterGroups.place` does; returns the moved
+        parameters' names. Their optimizers must exist in the fit (the caller keeps parameters for a missing one in
+        place)."""
+        held = held_tensors(self.optimizers.values())
         # (what the optimizers do not hold yet, such as a parameter unfrozen by hand, stays out of them)
         wanted = self._wanted(Routing([r for r in routing.routes if r.name in held], routing.params))
-        now = {n: (a, g["name"]) for a, o in self.optimizers.items() for g in o.param_groups for n in g["param_names"]}
-        then = {n: (a, g["name"]) for a, groups in wanted.items() for g in groups for n, _ in g["params"]}
-        moved = sorted(n for n in then if now.get(n) != then[n])
-        if not moved:
-            return []
-        if any(then[n][0] not in self.optimizers for n in moved):
-            raise RuntimeError(f"lightning_muon: {moved} would go to an optimizer this fit lacks")
-        self.arranged = True
-        touched = {then[n][0] for n in moved} | {now[n][0] for n in moved if n in now}
-        for algorithm in touched:
-            optimizer = self.optimizers[algorithm]
-            groups = [{**g, "params": [(n, held[n]) for n, _ in g["params"]]} for g in wanted[algorithm]]
-            built = {g["name"]: g for g in (self._build(algorithm, groups).param_groups if groups else [])}
-            kept = [{**_settings_of(g), "name": g["name"], **_structure_of(built.pop(g["name"], None))}
-                    for g in optimizer.param_groups]
-            template = _settings_of(optimizer.param_groups[0]) if optimizer.param_groups else {}
-            for name, group in built.items():  # a group this optimizer did not hold yet
-                kept.append({**_settings_of(group), **template, "name": name, **_structure_of(group)})
-                self.late.setdefault(algorithm, []).append(name)
-            optimizer.param_groups[:] = kept
-            for name in moved:
-                optimizer.state.pop(held[name], None)  # (a fresh, all-zero buffer: see `stepped`)
-        return moved
+        return self.later.place(self.optimizers, wanted, self._build)
 
     def _build(self, algorithm: str, groups: list[dict[str, Any]]) -> Optimizer:
         """An optimizer of ``algorithm`` over ``groups``, built as the config builds the fit's (to read groups from)."""
@@ -417,20 +327,11 @@ class OptimizerPair:
         by_id = {id(now.params[r.name]): r for r in now.routes}
         strangers = [tuple(p.shape) for p in new if id(p) not in by_id]
         if strangers:
-            raise MisconfigurationException(
-                f"A param group was added with tensors of shapes {strangers} that are no trainable parameter of "
-                "the module (frozen, or not its own), so MuonMixin cannot route them. Make them trainable "
-                "(requires_grad_(True)) before adding them, or add them to the module."
-            )
+            raise _strangers_refused(strangers)
         routes = [by_id[id(p)] for p in new]
         missing = sorted({str(r.optimizer) for r in routes} - set(self.optimizers))
         if missing:
-            raise MisconfigurationException(
-                f"Parameters unfrozen during the fit go to {missing[0]} by MuonMixin's rules, but the fit has no "
-                f"{missing[0]} optimizer (nothing was routed to it at the start): "
-                f"{[r.name for r in routes if str(r.optimizer) == missing[0]]}. Decide them with "
-                "muon_params=[...] or adamw_params=[...]."
-            )
+            raise _no_optimizer_for(missing[0], [r.name for r in routes if str(r.optimizer) == missing[0]])
         name = next_added_name(self.optimizers.values(), len(self.added))
         self.added.append(name)
         ratio = asked / _lr(given)
@@ -462,7 +363,7 @@ class OptimizerPair:
         while a scheduler steps it: the finetuning callback owns the added groups' lr; the late groups then take
         the settings the scheduler gave the first group."""
         groups = optimizer.param_groups
-        algorithm = self._algorithm_of(optimizer) if self.late else None
+        algorithm = next((a for a, o in self.optimizers.items() if o is optimizer), None)
         built = next((i for i, g in enumerate(groups) if self.origin(g, algorithm) in (Origin.ADDED, Origin.LATE)),
                      len(groups))
         if built == len(groups):  # nothing added: the optimizer as it is (every scheduler step comes here)
@@ -473,21 +374,14 @@ class OptimizerPair:
             yield
         finally:
             optimizer.param_groups = groups
-            if built:
-                settings = _settings_of(groups[0])
-                for group in groups[built:]:
-                    if self.origin(group, algorithm) is Origin.LATE:
-                        group.update(settings)
+            self.later.follow(algorithm, groups)
 
     # ------------------------------------------------------------------ checkpoints
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint records of the pair: each optimizer's groups (`layout_of`), the added groups' names
-        and, where later batches arranged the groups (`arranged`), the late groups' by algorithm."""
-        record: dict[str, Any] = {"groups": self.layouts(), "added_groups": list(self.added)}
-        if self.arranged:
-            record["late_groups"] = {a: list(names) for a, names in self.late.items()}
-        return record
+        and, where later batches arranged the groups, the late groups' by algorithm (`LaterGroups.record`)."""
+        return {"groups": self.layouts(), "added_groups": list(self.added), **self.later.record()}
 
     def restore(self, trainer: pl.Trainer, saved: dict[str, Any], routing: Routing) -> None:
         """Make the optimizers hold the groups a checkpoint's record (``saved``) was saved with, before its optimizer
@@ -498,31 +392,67 @@ class OptimizerPair:
         if then is None:
             return
         self.added = saved_added(saved)
-        self.arranged = "late_groups" in saved
-        self.late = {a: list(names) for a, names in saved.get("late_groups", {}).items()}
+        self.later.restore(saved)
         self._waiting = []
-        # (the lrs do not matter: the checkpoint's param groups bring theirs when its states load)
+        # (the lrs do not matter: the checkpoint's param groups bring theirs when its states load); groups later
+        # batches emptied, kept or added, where they were
         wanted = wanted_groups(routing, self.algorithms, members_of(then, self.added), {}, self.keep_both)
-        if self.arranged:  # groups later batches emptied, kept or added, where they were
-            wanted = arranged(wanted, self.algorithms, then)
+        wanted = self.later.arrange(wanted, self.algorithms, then)
         now = self._layouts_of(wanted)
         if now != then:
-            lines = [f"  {name}: {_describe(a)} in the checkpoint, {_describe(b)} in this fit"
-                     for name, a, b in zip(self.algorithms, then, now or [], strict=False) if a != b]
-            fix = (f"The checkpoint's groups {self.added} were added during the fit by a finetuning callback: "
-                   "resume with the finetuning callback the checkpoint was trained with (the same class and "
-                   "arguments)." if self.added else
-                   "Resume with the model, callbacks and muon_params/adamw_params the checkpoint was saved with.")
-            raise MisconfigurationException(
-                "This checkpoint's optimizer states were saved for other param groups than this fit's optimizers "
-                "hold, so they would load into the wrong parameters:\n" + "\n".join(lines or ["  (other optimizers)"])
-                + f"\n{fix}"
-            )
+            raise _unloadable(self.algorithms, then, now, self.added)
         if self.layouts() == then:
             return
         for optimizer in self.optimizers.values():
             optimizer.state.clear()  # the checkpoint's states replace them
         self._set_groups(trainer, wanted, routing.params, routing)
+
+
+def _strangers_refused(shapes: list[tuple[int, ...]]) -> MisconfigurationException:
+    """The refusal of a param group a callback adds with tensors of ``shapes`` the module does not train."""
+    return MisconfigurationException(
+        f"A param group was added with tensors of shapes {shapes} that are no trainable parameter of "
+        "the module (frozen, or not its own), so MuonMixin cannot route them. Make them trainable "
+        "(requires_grad_(True)) before adding them, or add them to the module."
+    )
+
+
+def _no_optimizer_for(algorithm: str, names: list[str]) -> MisconfigurationException:
+    """The refusal of parameters unfrozen during the fit (``names``) that go to an optimizer the fit lacks."""
+    return MisconfigurationException(
+        f"Parameters unfrozen during the fit go to {algorithm} by MuonMixin's rules, but the fit has no "
+        f"{algorithm} optimizer (nothing was routed to it at the start): {names}. Decide them with "
+        "muon_params=[...] or adamw_params=[...]."
+    )
+
+
+def _trainables_changed(held: set[str], routed: set[str]) -> MisconfigurationException:
+    """The refusal of a first batch whose trainable parameters (``routed``) are not those the optimizers ``held``."""
+    return MisconfigurationException(
+        "The trainable parameters changed between building the optimizers and the first training batch: "
+        f"now trainable but in no optimizer: {sorted(routed - held)[:10]}; in an optimizer but now "
+        f"frozen: {sorted(held - routed)[:10]}. A hook or callback froze or unfroze them in between. "
+        "Freeze before the optimizers are built (in __init__, configure_model or a callback's setup, where "
+        "BaseFinetuning.freeze_before_training runs), and unfreeze during the fit with a finetuning callback "
+        "(BaseFinetuning.unfreeze_and_add_param_group), which adds them to the optimizers."
+    )
+
+
+def _unloadable(algorithms: list[str], then: list[Layout], now: list[Layout] | None,
+                added: list[str]) -> MisconfigurationException:
+    """The refusal of a checkpoint whose groups (``then``) are not those this fit's optimizers would hold (``now``;
+    ``None``: some would go to an optimizer the fit lacks)."""
+    lines = [f"  {name}: {_describe(a)} in the checkpoint, {_describe(b)} in this fit"
+             for name, a, b in zip(algorithms, then, now or [], strict=False) if a != b]
+    fix = (f"The checkpoint's groups {added} were added during the fit by a finetuning callback: "
+           "resume with the finetuning callback the checkpoint was trained with (the same class and "
+           "arguments)." if added else
+           "Resume with the model, callbacks and muon_params/adamw_params the checkpoint was saved with.")
+    return MisconfigurationException(
+        "This checkpoint's optimizer states were saved for other param groups than this fit's optimizers "
+        "hold, so they would load into the wrong parameters:\n" + "\n".join(lines or ["  (other optimizers)"])
+        + f"\n{fix}"
+    )
 
 
 def saved_added(saved: dict[str, Any]) -> list[str]:

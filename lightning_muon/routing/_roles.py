@@ -206,12 +206,9 @@ def _litgpt_qkv(config: object) -> tuple[int, int, int] | None:
 
 #: torch's parametrizations (``torch.nn.utils.parametrizations``) by class name, in words.
 _PARAMETRIZATIONS = {"_WeightNorm": "weight norm", "_SpectralNorm": "spectral norm", "_Orthogonal": "orthogonal"}
-#: torch's older hook-based reparametrizations (``torch.nn.utils.weight_norm``, ``torch.nn.utils.spectral_norm``):
-#: the hook's class name -> (in words, the suffix of each parameter it registers -> what of the tensor it is).
-_REPARAMETRIZATION_HOOKS = {
-    "WeightNorm": ("weight norm", {"_g": "magnitude", "_v": "direction"}),
-    "SpectralNorm": ("spectral norm", {"_orig": ""}),
-}
+#: The parameters torch's older hook-based reparametrizations register beside the tensor they make
+#: (``torch.nn.utils.weight_norm``: ``weight_g``, ``weight_v``; ``torch.nn.utils.spectral_norm``: ``weight_orig``).
+_HOOKED_PART = re.compile(r"^(?P<tensor>\w+?)_(?P<part>g|v|orig)$")
 
 
 @dataclass(frozen=True)
@@ -244,10 +241,19 @@ class Parametrized:
         return f"{self.layer}.{self.tensor}" if self.layer else self.tensor
 
 
+def class_name(module: nn.Module) -> str:
+    """A module's class name, as its user wrote it: ``Conv1d`` for the ``ParametrizedConv1d`` torch makes of a
+    parametrized ``Conv1d``."""
+    cls = type(module)
+    if cls.__name__.startswith("Parametrized") and isinstance(getattr(module, "parametrizations", None), nn.ModuleDict):
+        return cls.__mro__[1].__name__
+    return cls.__name__
+
+
 def parametrized(module: nn.Module) -> dict[str, Parametrized]:
     """The parameters of ``module`` that make a layer's tensor through a parametrization (`Parametrized`), by
     full name: torch's ``register_parametrization`` (weight norm, spectral norm, orthogonal, any other) and the
-    older hook-based ``torch.nn.utils.weight_norm`` and ``spectral_norm``."""
+    older hook-based ``torch.nn.utils.weight_norm`` and ``spectral_norm`` (`_hooked`)."""
     found: dict[str, Parametrized] = {}
     for name, m in module.named_modules():
         prefix = f"{name}." if name else ""
@@ -264,15 +270,30 @@ def parametrized(module: nn.Module) -> dict[str, Parametrized]:
                     else:
                         part = "" if original == "original" else original
                     found[f"{prefix}parametrizations.{tensor}.{original}"] = Parametrized(name, tensor, by, part)
-        for hook in getattr(m, "_forward_pre_hooks", {}).values():
-            known = _REPARAMETRIZATION_HOOKS.get(type(hook).__name__)
-            hooked = getattr(hook, "name", None)
-            if known is None or not isinstance(hooked, str) or not type(hook).__module__.startswith("torch.nn"):
-                continue
-            by, parts = known
-            for suffix, part in parts.items():
-                if isinstance(getattr(m, hooked + suffix, None), nn.Parameter):
-                    found[f"{prefix}{hooked}{suffix}"] = Parametrized(name, hooked, by, part)
+        found.update((f"{prefix}{n}", made) for n, made in _hooked(name, m).items())
+    return found
+
+
+def _hooked(name: str, m: nn.Module) -> dict[str, Parametrized]:
+    """The parameters of module ``m`` (named ``name``) that torch's older hook-based weight norm or spectral norm
+    registered, known by what they register: ``<t>_g`` and ``<t>_v`` (weight norm) or ``<t>_orig`` with buffers
+    ``<t>_u`` and ``<t>_v`` (spectral norm), beside ``<t>``, the plain tensor they make, of the shape of ``<t>_v``
+    or ``<t>_orig``."""
+    own, buffers = dict(m.named_parameters(recurse=False)), dict(m.named_buffers(recurse=False))
+    found: dict[str, Parametrized] = {}
+    for param_name, p in own.items():
+        match = _HOOKED_PART.match(param_name)
+        if match is None:
+            continue
+        tensor, part = match["tensor"], match["part"]
+        made = getattr(m, tensor, None)
+        if not isinstance(made, Tensor) or isinstance(made, nn.Parameter) or tensor in buffers:
+            continue
+        v = own.get(f"{tensor}_v")
+        if part in ("g", "v") and v is not None and f"{tensor}_g" in own and v.shape == made.shape:
+            found[param_name] = Parametrized(name, tensor, "weight norm", "magnitude" if part == "g" else "direction")
+        elif part == "orig" and p.shape == made.shape and {f"{tensor}_u", f"{tensor}_v"} <= set(buffers):
+            found[param_name] = Parametrized(name, tensor, "spectral norm", "")
     return found
 
 

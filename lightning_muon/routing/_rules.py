@@ -303,9 +303,10 @@ def _role_route(role: _Role, by_layout: Decision) -> Decision | None:
     output head, the input layer; None if no role decides."""
     module = role.module
     if isinstance(module, _roles.EMBEDDINGS):
-        return by_layout.overruled(Algorithm.ADAMW, "embeddings", f"{type(module).__name__} weight", Rule.MODULE_TYPE)
+        return by_layout.overruled(Algorithm.ADAMW, "embeddings", f"{_roles.class_name(module)} weight",
+                                   Rule.MODULE_TYPE)
     if _roles.is_norm(module):
-        reason = f"norm layer ({type(module).__name__})"
+        reason = f"norm layer ({_roles.class_name(module)})"
         return by_layout.overruled(Algorithm.ADAMW, "norms_and_biases", reason, Rule.MODULE_TYPE)
     if role.embedding:
         return by_layout.overruled(Algorithm.ADAMW, "embeddings", f"tied to embedding `{role.embedding}`", Rule.TIE)
@@ -321,7 +322,7 @@ def _role_route(role: _Role, by_layout: Decision) -> Decision | None:
     if role.is_input:
         channels = getattr(module, "in_channels", "?")
         plural = "" if channels == 1 else "s"
-        reason = f"input layer ({type(module).__name__} on {channels} input channel{plural})"
+        reason = f"input layer ({_roles.class_name(module)} on {channels} input channel{plural})"
         return by_layout.overruled(Algorithm.ADAMW, "input", reason, Rule.STRUCTURE)
     return None
 

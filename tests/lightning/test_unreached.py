@@ -227,3 +227,42 @@ def test_the_schedule_reaches_groups_added_late(tmp_path):
     adamw = raw_optimizers(model)[1]
     assert adamw.param_groups[-1]["name"] == "input"
     assert {g["lr"] for g in adamw.param_groups} == {adamw.param_groups[0]["lr"]}
+
+
+class EndsAndBranch(L.LightningModule):
+    """The first batch shows both matrices it reaches to be the input layer and the head, so Muon keeps no group of
+    its own; ``branch``, reached on odd batches only, is a hidden matrix: Muon's empty group is kept for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.first, self.last = nn.Linear(3, 4), nn.ModuleList([nn.Linear(4, 1)])
+            self.branch = nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        h = torch.tanh(self.first(batch[0]))
+        if batch_idx % 2:
+            h = torch.tanh(self.branch(h))
+        return self.last[0](h).square().mean()
+
+    def train_dataloader(self):
+        data = torch.utils.data.TensorDataset(torch.randn(16, 3, generator=torch.Generator().manual_seed(0)))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def test_an_optimizer_the_first_batch_empties_keeps_a_group_for_what_later_batches_reach(tmp_path):
+    model = type("MuonEndsAndBranch", (MuonMixin, EndsAndBranch), {})(**SCHEDULE)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    make_trainer(tmp_path / "a", max_epochs=2, enable_checkpointing=True, callbacks=[checkpoints]).fit(model)
+    muon, adamw = raw_optimizers(model)
+    assert [(g["name"], g["param_names"]) for g in muon.param_groups] == [("hidden", ["branch.weight"])]
+    # on its schedule, as its optimizer's first group (the lr left its start)
+    scheduled = adamw.param_groups[0]["lr"] / adamw.defaults["lr"]
+    assert muon.param_groups[0]["lr"] == pytest.approx(muon.defaults["lr"] * scheduled, rel=1e-12)
+    assert scheduled < 0.9
+
+    resumed = type("MuonEndsAndBranch", (MuonMixin, EndsAndBranch), {})(**SCHEDULE)
+    make_trainer(tmp_path / "b", max_epochs=2).fit(resumed, ckpt_path=tmp_path / "ckpt" / "epoch=0.ckpt")
+    assert groups(resumed) == groups(model)
+    assert same(snapshot(resumed), snapshot(model))
