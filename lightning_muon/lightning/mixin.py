@@ -173,9 +173,10 @@ class MuonMixin(_LightningModuleBase):
 
     @property
     def muon_roles(self) -> GraphRoles | None:
-        """What a fit's first training batch showed (output heads, input layers, hidden matrices), or ``None``
-        before one was seen; loaded from checkpoints with the weights. Set it (from
-        `lightning_muon.trace_roles`) before a fit to build the optimizers with it: no batch is followed then."""
+        """What a fit's training batches showed (output heads, input layers, hidden matrices, tensors used as no
+        matrix; the first batch's, and later ones' for what it did not reach), or ``None`` before one was seen;
+        loaded from checkpoints with the weights. Set it (from `lightning_muon.trace_roles`) before a fit to build
+        the optimizers with it: no batch is followed then, unless it leaves parameters unreached."""
         return self._muon_roles
 
     @muon_roles.setter
@@ -188,7 +189,8 @@ class MuonMixin(_LightningModuleBase):
         """Where every trainable parameter goes (Muon or AdamW) and why: with ``muon=None``, all on AdamW.
 
         Until a fit's first training batch is seen, output heads and input layers come from names and
-        structure; from then on, from that batch (see `lightning_muon.routing.trace_roles`)."""
+        structure; from then on, from that batch, and for what it did not reach, from the batch that first reaches
+        it (see `lightning_muon.routing.trace_roles`)."""
         return self._muon_config.route(self, self._muon_roles)
 
     def muon_update_rules(self) -> list[str]:
