@@ -509,7 +509,10 @@ class RoleTrace(TorchFunctionMode):
         elementwise = {n: tuple(u for u in USES if u in uses) for n, uses in self._uses.items()
                        if n not in self._as_matrix and n not in self._unknown_uses}
         unreached = None
-        reached = self._reached(loss) if heads is not None and loss is not None else None
+        try:
+            reached = self._reached(loss) if heads is not None and loss is not None else None
+        except Exception:  # a graph node the walk cannot read: what the batch reached is not known
+            reached = None
         if reached is not None:
             unreached = frozenset(n for n, p in self.module.named_parameters() if p.requires_grad) - reached
         return GraphRoles(seen=seen, heads=heads, inputs=inputs, note="; ".join(note), elementwise=elementwise,
