@@ -57,6 +57,8 @@ INTERNAL = {
     "commands/compare/sweep.py: no lr to choose from",
     # FitState.hold corrects the optimizers only while they hold no state
     "lightning/_pair.py: lightning_muon: the routing can only be corrected before the optimizers' first step",
+    # FitState._place_reached keeps a parameter whose optimizer the fit lacks where it is (warn_lacking) first
+    "lightning/_late.py: lightning_muon: ... would go to an optimizer this fit lacks",
     # route_parameters' own invariant (one route per trainable parameter): a bug in the package, never the user's
     "routing/_rules.py: lightning_muon routed ... for the trainable parameters ...",
     # Algorithm.from_key: the package never calls it with a key of its own

@@ -8,8 +8,10 @@ gives them back at its end. Given in both places with different values, the fit 
 naming both.
 
 The fit's state holds the fit's optimizers and the origin of their param groups (`OptimizerPair`), applies what
-the fit's first training batch shows (`follow_first_batch`: the roles of `lightning_muon.routing.trace_step`,
-checked by `lightning_muon.lightning._first_batch`, applied by the pair), and, for
+the fit's first training batch shows (`follow_batch`: the roles of `lightning_muon.routing.trace_step`, agreed
+and checked by `lightning_muon.lightning._first_batch`, applied by the pair), and what later batches show of the
+parameters the first did not reach (followed while there are some, `follows`, for a bounded number of updates),
+and, for
 ``trainer.fit(torch.compile(model))``, compiles the parent's ``training_step`` alone (`compiler`), never the
 update around it.
 
@@ -33,6 +35,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.lightning import _checkpoint, _checks, _compat, _finetuning, _first_batch
 from lightning_muon.lightning._config import MuonConfig
+from lightning_muon.lightning._late import stepped
 from lightning_muon.lightning._pair import OptimizerPair, layout_of, saved_added_members
 from lightning_muon.lightning._update_loop import UpdateSettings
 from lightning_muon.optim.groups import ns_dtype_line
@@ -108,6 +111,12 @@ class FitState:
         #: The record of the checkpoint the fit resumes (``None``: a fresh fit, or a strategy that restores after
         #: on_fit_start).
         self.resumed: dict[str, Any] | None = None
+        #: The parameters no batch has reached yet whose route a batch could change (``None``: not worked out yet).
+        self._waiting: list[str] | None = None
+        #: The global step of the fit's first followed batch, from which `_first_batch.UNREACHED_UPDATES` count.
+        self._following_since: int | None = None
+        #: Whether the fit stopped following batches with parameters still unreached (said once, as a warning).
+        self._gave_up = False
 
     @classmethod
     def start(cls, module: LightningModule, config: MuonConfig, load_record: Callable[[dict[str, Any]], None],
@@ -188,29 +197,86 @@ class FitState:
         if self.pair is not None:
             self.pair.add_waiting()
 
-    def follow_first_batch(self, module: LightningModule, batch: Any,
-                           run: Callable[[], Any]) -> tuple[Any, GraphRoles | None]:
-        """Run the parent's step (``run``) on the fit's first training batch, following it, and apply the roles it
-        shows before the backward: check that every rank reached the same routing, correct the optimizers where
-        it moves parameters, say what it did (INFO). Returns the step's output and the roles (``None`` where the
-        step returned no loss: the next batch is followed instead)."""
-        start = time.perf_counter()
-        output, roles = trace_step(module, batch, run, loss_in)
-        if loss_in(output) is None:
-            return output, None
-        before = self.config.route(module, None)
-        after = self.config.route(module, roles)
-        _first_batch.check_ranks_agree(module.trainer, after)
-        self.hold(module.trainer, after)
-        rank_zero_info(_first_batch.moves_message(before, after, roles, time.perf_counter() - start))
-        return output, roles
+    def follows(self, module: LightningModule, roles: GraphRoles | None) -> bool:
+        """Whether the fit follows this training batch: its first (``roles`` is ``None``), or, while the batches so
+        far have not reached some parameters whose route a batch could change, one of the first
+        `_first_batch.UNREACHED_UPDATES` updates from the first followed one; after them a warning names what is
+        still unreached, and no batch is followed again. Every rank decides the same (the roles and the step
+        agree)."""
+        if roles is None:
+            return True
+        if self._waiting is None:  # roles given before the fit, or from the checkpoint it resumes
+            self._waiting = _first_batch.waited_for(self.config.route(module, roles), roles)
+        if not self._waiting or self._gave_up:
+            return False
+        step = module.trainer.global_step
+        if self._following_since is None:
+            self._following_since = step
+        if step - self._following_since < _first_batch.UNREACHED_UPDATES:
+            return True
+        self._gave_up = True
+        _first_batch.warn_unreached(self.config.route(module, roles), self._waiting, step - self._following_since)
+        return False
 
-    def hold(self, trainer: pl.Trainer, routing: Routing) -> None:
-        """Make the fit's optimizers, where they are built and hold no state yet, hold ``routing``'s groups."""
+    def follow_batch(self, module: LightningModule, batch: Any, run: Callable[[], Any],
+                     roles: GraphRoles | None) -> tuple[Any, GraphRoles | None]:
+        """Run the parent's step (``run``) on a training batch, following it, and apply the roles it shows before
+        the backward: on the fit's first batch (``roles`` is ``None``), the ranks agree, the optimizers are corrected
+        where it moves parameters, and what it did is said (INFO); on a later one, the parameters it first reaches
+        are placed where it shows (`OptimizerPair.place`), said once. Returns the step's output and the roles so far
+        (unchanged where the step returned no loss: the next batch is followed instead)."""
+        start = time.perf_counter()
+        output, seen = trace_step(module, batch, run, loss_in)
+        if loss_in(output) is None:
+            return output, roles
+        trainer = module.trainer
+        if self._following_since is None:
+            self._following_since = trainer.global_step
+        trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+        seen = _first_batch.agreed_roles(trainer, seen, trainable)
+        if roles is None:
+            before = self.config.route(module, None)
+            after = self.config.route(module, seen)
+            _first_batch.check_ranks_agree(trainer, after)
+            self._waiting = _first_batch.waited_for(after, seen)
+            self.hold(trainer, after, keep_both=bool(self._waiting))
+            rank_zero_info(_first_batch.moves_message(before, after, seen, time.perf_counter() - start))
+            return output, seen
+        return output, self._place_reached(module, roles, seen, start)
+
+    def _place_reached(self, module: LightningModule, roles: GraphRoles, seen: GraphRoles, start: float) -> GraphRoles:
+        """``roles`` with what ``seen``, a later batch's, showed of the parameters no batch had reached, placed by the
+        pair. One that holds optimizer state all the same (it trained by a path the batches could not show) keeps
+        its place, as one whose new optimizer this fit lacks (said)."""
+        if self.pair is None or roles.unreached is None or seen.unreached is None:
+            return roles
+        newly = roles.unreached - seen.unreached
+        if not newly:
+            return roles
+        roles = roles.reached(stepped(self.pair.optimizers.values(), newly))
+        before = self.config.route(module, roles)
+        merged = roles.merge(seen)
+        after = self.config.route(module, merged)
+        lacking = {r.name for r in after.routes if r.name in merged.late - roles.late
+                   and str(r.optimizer) not in self.pair.optimizers}
+        if lacking:
+            _first_batch.warn_lacking(after, lacking)
+            merged = roles.reached(frozenset(lacking)).merge(seen)
+            after = self.config.route(module, merged)
+        moved = self.pair.place(after)
+        update = module.trainer.global_step + 1
+        rank_zero_info(_first_batch.reached_message(update, before, after, merged.late - roles.late, moved,
+                                                    time.perf_counter() - start))
+        self._waiting = _first_batch.waited_for(after, merged)
+        return merged
+
+    def hold(self, trainer: pl.Trainer, routing: Routing, keep_both: bool = False) -> None:
+        """Make the fit's optimizers, where they are built and hold no state yet, hold ``routing``'s groups (with
+        ``keep_both``, a placeholder in one left without any: a later batch may place parameters there)."""
         pair = self.pair
         if pair is not None and trainer.optimizers and not any(o.state for o in trainer.optimizers) \
                 and not pair.holds(routing):
-            pair.regroup(trainer, routing)
+            pair.regroup(trainer, routing, keep_both)
 
     def restore(self, trainer: pl.Trainer, saved: dict[str, Any], routing: Routing) -> None:
         """A checkpoint restored into this fit after its optimizers were built (a tool that saves and restores

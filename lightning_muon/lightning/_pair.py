@@ -1,9 +1,12 @@
 """`OptimizerPair`: a fit's optimizers (Muon's first, then AdamW's) and where each of their param groups came from.
 
-A group is one of three origins (`Origin`), recorded as data, never read from its name:
+A group is one of four origins (`Origin`), recorded as data, never read from its name:
 
 - **routed**: a group of the routing (``hidden``, ``head``, ...), built with the optimizers and corrected by the
   first training batch (`regroup`);
+- **late**: a group of the routing that an optimizer did not hold when a later batch first reached parameters
+  the first batch did not, and the routing sent them there (`place`, `lightning_muon.lightning._late`): added at the
+  end of that optimizer's groups, it follows its first group through every scheduler step;
 - **placeholder**: the empty group an optimizer is built with where the start of a fit with a finetuning callback
   routes nothing to it (a frozen backbone under a linear head: no matrix trains at first), so that both
   optimizers exist when the callback unfreezes something for them;
@@ -17,11 +20,12 @@ A group is one of three origins (`Origin`), recorded as data, never read from it
   (`add_waiting`), at the same fraction of its lr as the callback asked of the one it offered them to. The
   group's other settings go to the optimizers that have them (``weight_decay`` to both, ``betas`` to AdamW's).
 
-The pair is the one place that builds the groups, corrects them after the first batch, accepts a group a callback
-adds, gives schedulers the groups they were built with (`scheduled_groups`: the added ones keep the lr the callback
-gives them), and records and restores the groups in a checkpoint (`record`, `restore`): a checkpoint restored
-into a running fit (Lightning's batch-size finder) gets optimizers that hold its groups before torch loads its
-states into them, or a refusal that says why.
+The pair is the one place that builds the groups, corrects them after the first batch, places what a later batch
+first reaches, accepts a group a callback adds, gives schedulers the groups they were built with
+(`scheduled_groups`: the added ones keep the lr the callback gives them, the late ones follow), and records and
+restores the groups in a checkpoint (`record`, `restore`): a checkpoint restored into a running fit (Lightning's
+batch-size finder) gets optimizers that hold its groups before torch loads its states into them, or a refusal
+that says why.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_muon.lightning._late import LaterGroups, Layout, held_tensors
 from lightning_muon.optim.groups import MATRIX_BLOCKS, MATRIX_LAYOUTS, NAME, PARAM_NAMES
 from lightning_muon.routing import ADAMW, MUON, Algorithm, Group, Routing
 
@@ -52,6 +57,7 @@ class Origin(str, Enum):
     ROUTED = "routed"
     PLACEHOLDER = "placeholder"
     ADDED = "added"
+    LATE = "late"
 
 
 #: The name of the empty group an optimizer holds where the routing gives it nothing yet (the name the routing
@@ -62,9 +68,6 @@ PLACEHOLDER_NAMES = {MUON: Group.HIDDEN.value, ADAMW: Group.OTHER.value}
 ADDED_NAME = "unfrozen_{}"
 #: The keys of an offered group that the routing decides itself (the lr is scaled per optimizer).
 _ROUTED_KEYS = {"params", "lr", NAME, PARAM_NAMES, MATRIX_LAYOUTS, MATRIX_BLOCKS}
-
-#: One optimizer's groups as ``[group name, [parameter names]]``: what a checkpoint records of it.
-Layout = list[list[Any]]
 
 
 def layout_of(optimizer: Optimizer) -> Layout:
@@ -177,6 +180,8 @@ class OptimizerPair:
         #: Parts of added groups waiting for their optimizer: (algorithm, part, the ids of every tensor of the group
         #: offered), in the order they were routed.
         self._waiting: list[tuple[str, dict[str, Any], set[int]]] = []
+        #: The late groups and what later batches arranged (`place`).
+        self.later = LaterGroups()
 
     # ------------------------------------------------------------------ building
 
@@ -207,10 +212,13 @@ class OptimizerPair:
         """Which algorithm each of the fit's optimizers is, in order."""
         return list(self.optimizers)
 
-    def origin(self, group: dict[str, Any]) -> Origin:
-        """Where ``group`` (one of the pair's) came from."""
+    def origin(self, group: dict[str, Any], algorithm: str | None = None) -> Origin:
+        """Where ``group`` (one of the pair's; of the ``algorithm`` optimizer, where it may be a late one) came
+        from."""
         if group.get(NAME) in self.added:
             return Origin.ADDED
+        if self.later.is_late(algorithm, group):
+            return Origin.LATE
         return Origin.ROUTED if group["params"] else Origin.PLACEHOLDER
 
     # ------------------------------------------------------------------ the first batch
@@ -239,27 +247,41 @@ class OptimizerPair:
         """Whether the optimizers hold ``routing``'s groups (`wanted_groups`)."""
         return self.layouts() == self._layouts_of(self._wanted(routing))
 
-    def regroup(self, trainer: pl.Trainer, routing: Routing) -> None:
+    def regroup(self, trainer: pl.Trainer, routing: Routing, keep_both: bool = False) -> None:
         """Give the optimizers (which hold no state yet) ``routing``'s groups (`wanted_groups`), in place, and
         build their schedulers again for the groups they were built with. The optimizer objects stay the same
-        (callbacks may hold them); one left without parameters steps nothing."""
+        (callbacks may hold them); one left without parameters steps nothing, or, with ``keep_both`` (a later batch
+        may place parameters in it), holds a placeholder group whose settings its schedulers move."""
         if any(o.state for o in self.optimizers.values()):
             raise RuntimeError("lightning_muon: the routing can only be corrected before the optimizers' first step")
         # The tensors the optimizers hold, by name: during a training step FSDP2's modules hold unsharded copies of
         # their parameters, while the optimizers must keep the sharded ones they were built with.
-        held = {n: p for o in self.optimizers.values() for g in o.param_groups
-                for n, p in zip(g[PARAM_NAMES], g["params"], strict=True)}
+        held = held_tensors(self.optimizers.values())
         routed = {r.name for r in routing.routes}
         if set(held) != routed:
-            raise MisconfigurationException(
-                "The trainable parameters changed between building the optimizers and the first training batch: "
-                f"now trainable but in no optimizer: {sorted(routed - set(held))[:10]}; in an optimizer but now "
-                f"frozen: {sorted(set(held) - routed)[:10]}. A hook or callback froze or unfroze them in between. "
-                "Freeze before the optimizers are built (in __init__, configure_model or a callback's setup, where "
-                "BaseFinetuning.freeze_before_training runs), and unfreeze during the fit with a finetuning callback "
-                "(BaseFinetuning.unfreeze_and_add_param_group), which adds them to the optimizers."
-            )
-        self._set_groups(trainer, self._wanted(routing), held, routing)
+            raise _trainables_changed(set(held), routed)
+        wanted = self._wanted(routing)
+        if keep_both and not self.keep_both:
+            self.later.keep(wanted, placeholder_group, self.optimizers)
+        self._set_groups(trainer, wanted, held, routing)
+
+    # ------------------------------------------------------------------ what a later batch first reaches
+
+    def place(self, routing: Routing) -> list[str]:
+        """Make the optimizers hold ``routing``'s groups where it moves parameters that hold no optimizer state (a
+        later batch first reached them: moving them costs nothing), as `LaterGroups.place` does; returns the moved
+        parameters' names. Their optimizers must exist in the fit (the caller keeps parameters for a missing one in
+        place)."""
+        held = held_tensors(self.optimizers.values())
+        # (what the optimizers do not hold yet, such as a parameter unfrozen by hand, stays out of them)
+        wanted = self._wanted(Routing([r for r in routing.routes if r.name in held], routing.params))
+        return self.later.place(self.optimizers, wanted, self._build)
+
+    def _build(self, algorithm: str, groups: list[dict[str, Any]]) -> Optimizer:
+        """An optimizer of ``algorithm`` over ``groups``, built as the config builds the fit's (to read groups from)."""
+        if algorithm == ADAMW:
+            return self.config.build_adamw(groups)
+        return self.config.build(Algorithm.MUON, groups)
 
     def _set_groups(self, trainer: pl.Trainer, wanted: dict[str, list[dict[str, Any]]], held: dict[str, Tensor],
                     routing: Routing) -> None:
@@ -275,9 +297,8 @@ class OptimizerPair:
                     "alone)."
                 )
         for algorithm, optimizer in self.optimizers.items():
-            build = self.config.build_adamw if algorithm == ADAMW else functools.partial(self.config.build,
-                                                                                           Algorithm.MUON)
-            optimizer.param_groups[:] = build(groups[algorithm]).param_groups if groups[algorithm] else []
+            optimizer.param_groups[:] = self._build(algorithm, groups[algorithm]).param_groups if groups[algorithm] \
+                else []
         if self.config.lr_scheduler_factory is None:
             return
         with contextlib.ExitStack() as built_groups_only:
@@ -309,20 +330,11 @@ class OptimizerPair:
         by_id = {id(now.params[r.name]): r for r in now.routes}
         strangers = [tuple(p.shape) for p in new if id(p) not in by_id]
         if strangers:
-            raise MisconfigurationException(
-                f"A param group was added with tensors of shapes {strangers} that are no trainable parameter of "
-                "the module (frozen, or not its own), so MuonMixin cannot route them. Make them trainable "
-                "(requires_grad_(True)) before adding them, or add them to the module."
-            )
+            raise _strangers_refused(strangers)
         routes = [by_id[id(p)] for p in new]
         missing = sorted({str(r.optimizer) for r in routes} - set(self.optimizers))
         if missing:
-            raise MisconfigurationException(
-                f"Parameters unfrozen during the fit go to {missing[0]} by MuonMixin's rules, but the fit has no "
-                f"{missing[0]} optimizer (nothing was routed to it at the start): "
-                f"{[r.name for r in routes if str(r.optimizer) == missing[0]]}. Decide them with "
-                "muon_params=[...] or adamw_params=[...]."
-            )
+            raise _no_optimizer_for(missing[0], [r.name for r in routes if str(r.optimizer) == missing[0]])
         name = next_added_name(self.optimizers.values(), len(self.added))
         self.added.append(name)
         ratio = asked / _lr(given)
@@ -350,10 +362,13 @@ class OptimizerPair:
 
     @contextlib.contextmanager
     def scheduled_groups(self, optimizer: Optimizer) -> Iterator[None]:
-        """``optimizer`` showing only the groups it was built with (those before its first added group) while a
-        scheduler steps it: the finetuning callback owns the added groups' lr."""
+        """``optimizer`` showing only the groups it was built with (those before its first added or late group)
+        while a scheduler steps it: the finetuning callback owns the added groups' lr; the late groups then take
+        the settings the scheduler gave the first group."""
         groups = optimizer.param_groups
-        built = next((i for i, g in enumerate(groups) if self.origin(g) is Origin.ADDED), len(groups))
+        algorithm = next((a for a, o in self.optimizers.items() if o is optimizer), None)
+        built = next((i for i, g in enumerate(groups) if self.origin(g, algorithm) in (Origin.ADDED, Origin.LATE)),
+                     len(groups))
         if built == len(groups):  # nothing added: the optimizer as it is (every scheduler step comes here)
             yield
             return
@@ -362,12 +377,14 @@ class OptimizerPair:
             yield
         finally:
             optimizer.param_groups = groups
+            self.later.follow(algorithm, groups)
 
     # ------------------------------------------------------------------ checkpoints
 
     def record(self) -> dict[str, Any]:
-        """What a checkpoint records of the pair: each optimizer's groups (`layout_of`) and the added groups' names."""
-        return {"groups": self.layouts(), "added_groups": list(self.added)}
+        """What a checkpoint records of the pair: each optimizer's groups (`layout_of`), the added groups' names
+        and, where later batches arranged the groups, the late groups' by algorithm (`LaterGroups.record`)."""
+        return {"groups": self.layouts(), "added_groups": list(self.added), **self.later.record()}
 
     def restore(self, trainer: pl.Trainer, saved: dict[str, Any], routing: Routing) -> None:
         """Make the optimizers hold the groups a checkpoint's record (``saved``) was saved with, before its optimizer
@@ -378,27 +395,67 @@ class OptimizerPair:
         if then is None:
             return
         self.added = saved_added(saved)
+        self.later.restore(saved)
         self._waiting = []
-        # (the lrs do not matter: the checkpoint's param groups bring theirs when its states load)
+        # (the lrs do not matter: the checkpoint's param groups bring theirs when its states load); groups later
+        # batches emptied, kept or added, where they were
         wanted = wanted_groups(routing, self.algorithms, members_of(then, self.added), {}, self.keep_both)
+        wanted = self.later.arrange(wanted, self.algorithms, then)
         now = self._layouts_of(wanted)
         if now != then:
-            lines = [f"  {name}: {_describe(a)} in the checkpoint, {_describe(b)} in this fit"
-                     for name, a, b in zip(self.algorithms, then, now or [], strict=False) if a != b]
-            fix = (f"The checkpoint's groups {self.added} were added during the fit by a finetuning callback: "
-                   "resume with the finetuning callback the checkpoint was trained with (the same class and "
-                   "arguments)." if self.added else
-                   "Resume with the model, callbacks and muon_params/adamw_params the checkpoint was saved with.")
-            raise MisconfigurationException(
-                "This checkpoint's optimizer states were saved for other param groups than this fit's optimizers "
-                "hold, so they would load into the wrong parameters:\n" + "\n".join(lines or ["  (other optimizers)"])
-                + f"\n{fix}"
-            )
+            raise _unloadable(self.algorithms, then, now, self.added)
         if self.layouts() == then:
             return
         for optimizer in self.optimizers.values():
             optimizer.state.clear()  # the checkpoint's states replace them
         self._set_groups(trainer, wanted, routing.params, routing)
+
+
+def _strangers_refused(shapes: list[tuple[int, ...]]) -> MisconfigurationException:
+    """The refusal of a param group a callback adds with tensors of ``shapes`` the module does not train."""
+    return MisconfigurationException(
+        f"A param group was added with tensors of shapes {shapes} that are no trainable parameter of "
+        "the module (frozen, or not its own), so MuonMixin cannot route them. Make them trainable "
+        "(requires_grad_(True)) before adding them, or add them to the module."
+    )
+
+
+def _no_optimizer_for(algorithm: str, names: list[str]) -> MisconfigurationException:
+    """The refusal of parameters unfrozen during the fit (``names``) that go to an optimizer the fit lacks."""
+    return MisconfigurationException(
+        f"Parameters unfrozen during the fit go to {algorithm} by MuonMixin's rules, but the fit has no "
+        f"{algorithm} optimizer (nothing was routed to it at the start): {names}. Decide them with "
+        "muon_params=[...] or adamw_params=[...]."
+    )
+
+
+def _trainables_changed(held: set[str], routed: set[str]) -> MisconfigurationException:
+    """The refusal of a first batch whose trainable parameters (``routed``) are not those the optimizers ``held``."""
+    return MisconfigurationException(
+        "The trainable parameters changed between building the optimizers and the first training batch: "
+        f"now trainable but in no optimizer: {sorted(routed - held)[:10]}; in an optimizer but now "
+        f"frozen: {sorted(held - routed)[:10]}. A hook or callback froze or unfroze them in between. "
+        "Freeze before the optimizers are built (in __init__, configure_model or a callback's setup, where "
+        "BaseFinetuning.freeze_before_training runs), and unfreeze during the fit with a finetuning callback "
+        "(BaseFinetuning.unfreeze_and_add_param_group), which adds them to the optimizers."
+    )
+
+
+def _unloadable(algorithms: list[str], then: list[Layout], now: list[Layout] | None,
+                added: list[str]) -> MisconfigurationException:
+    """The refusal of a checkpoint whose groups (``then``) are not those this fit's optimizers would hold (``now``;
+    ``None``: some would go to an optimizer the fit lacks)."""
+    lines = [f"  {name}: {_describe(a)} in the checkpoint, {_describe(b)} in this fit"
+             for name, a, b in zip(algorithms, then, now or [], strict=False) if a != b]
+    fix = (f"The checkpoint's groups {added} were added during the fit by a finetuning callback: "
+           "resume with the finetuning callback the checkpoint was trained with (the same class and "
+           "arguments)." if added else
+           "Resume with the model, callbacks and muon_params/adamw_params the checkpoint was saved with.")
+    return MisconfigurationException(
+        "This checkpoint's optimizer states were saved for other param groups than this fit's optimizers "
+        "hold, so they would load into the wrong parameters:\n" + "\n".join(lines or ["  (other optimizers)"])
+        + f"\n{fix}"
+    )
 
 
 def saved_added(saved: dict[str, Any]) -> list[str]:

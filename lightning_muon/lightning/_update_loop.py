@@ -252,18 +252,19 @@ class UpdateLoop:
         module: LightningModule,
         run: Callable[[], Any],
         settings: UpdateSettings,
-        run_first: Callable[[Callable[[], Any]], Any] | None = None,
+        run_followed: Callable[[Callable[[], Any]], Any] | None = None,
     ) -> Any:
         """Run the parent's ``training_step`` (``run``: its arguments bound, see `bind_step`), then backward and
-        (on the last micro-batch) the update. ``run_first``, where given, runs ``run`` in its place and returns its
-        output, before the backward (the fit's first batch is followed through it)."""
+        (on the last micro-batch) the update. ``run_followed``, where given, runs ``run`` in its place and returns
+        its output, before the backward (a batch the fit follows: its first, and later ones for what the first did
+        not reach, `FitState.follows`)."""
         if self._in_training_step or not module.trainer.training:
             # A subclass's training_step calling super() (only the outer one updates), or a
             # validation_step reusing training_step (no backward, no update).
             return run()
         self._in_training_step = True
         try:
-            output = run_first(run) if run_first is not None else run()
+            output = run_followed(run) if run_followed is not None else run()
         finally:
             self._in_training_step = False
         loss = self._loss_of(module, output)

@@ -177,9 +177,9 @@ class MuonMixin(_LightningModuleBase):
 
     @property
     def muon_roles(self) -> GraphRoles | None:
-        """What a fit's first training batch showed (output heads, input layers, hidden matrices), or ``None``
-        before one was seen; loaded from checkpoints with the weights. Set it (from
-        `lightning_muon.trace_roles`) before a fit to build the optimizers with it: no batch is followed then."""
+        """What a fit's training batches showed (heads, input layers, hidden matrices, tensors used as no matrix),
+        or ``None`` before one was seen; loaded from checkpoints. Set it (`lightning_muon.trace_roles`) before a fit
+        to build the optimizers with it: no batch is followed then, unless it leaves parameters unreached."""
         return self._muon_roles
 
     @muon_roles.setter
@@ -192,7 +192,8 @@ class MuonMixin(_LightningModuleBase):
         """Where every trainable parameter goes (Muon or AdamW) and why: with ``muon=None``, all on AdamW.
 
         Until a fit's first training batch is seen, output heads and input layers come from names and
-        structure; from then on, from that batch (see `lightning_muon.routing.trace_roles`)."""
+        structure; from then on, from that batch, and for what it did not reach, from the batch that first reaches
+        it (see `lightning_muon.routing.trace_roles`)."""
         return self._muon_config.route(self, self._muon_roles)
 
     def muon_update_rules(self) -> list[str]:
@@ -327,20 +328,23 @@ def _optimizer_config(module: MuonMixin) -> MuonConfig:
 
 
 def _run_step(module: MuonMixin, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """The parent's ``step`` under the update loop; the first batch of a fit with Muon is followed first."""
+    """The parent's ``step`` under the update loop; the first batch of a fit with Muon is followed first, and later
+    ones while it left parameters unreached (`FitState.follows`)."""
     fit, config = module._muon_fit, module._muon_config
     run = bind_step(step, args, kwargs, fit.compiler if fit is not None else None)
     settings = fit.settings if fit is not None else UpdateSettings(  # the fit's: its Trainer flags included
         config.gradient_clip_val, "norm", config.max_consecutive_skips)
-    if fit is None or module._muon_roles is not None or not module.muon_enabled:
+    if fit is None or not module.muon_enabled or not module.trainer.training \
+            or not fit.follows(module, module._muon_roles):
         return module._muon_loop.training_step(module, run, settings)
     batch = args[0] if args else kwargs.get("batch")
 
-    def run_first(run: Callable[[], Any]) -> Any:  # uncompiled: the trace follows eager code
-        output, module._muon_roles = fit.follow_first_batch(module, batch, bind_step(step, args, kwargs))
+    def run_followed(run: Callable[[], Any]) -> Any:  # uncompiled: the trace follows eager code
+        output, module._muon_roles = fit.follow_batch(module, batch, bind_step(step, args, kwargs),
+                                                      module._muon_roles)
         return output
 
-    return module._muon_loop.training_step(module, run, settings, run_first)
+    return module._muon_loop.training_step(module, run, settings, run_followed)
 
 
 def _load_checkpoint(module: MuonMixin, checkpoint: dict[str, Any]) -> None:

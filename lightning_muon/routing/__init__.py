@@ -10,7 +10,9 @@ every trainable parameter, in this order of precedence:
 3. weights tied to an embedding -> AdamW (once);
 4. what a training batch showed, where one was traced (``graph=``, `trace_roles`): every matrix whose output
    feeds the loss through no other matrix is an output head, every one that reads the batch through no other
-   matrix an input layer (both -> AdamW); a matrix it saw in neither role is hidden;
+   matrix an input layer (both -> AdamW); a matrix it saw in neither role is hidden; a tensor it used, but never
+   as a matrix (only added, multiplied elementwise, indexed, ...), is a table or a scale (-> AdamW), whatever its
+   name; what no batch has reached yet keeps the rules below, marked in the table, until a batch reaches it;
 5. the output heads -> AdamW (`find_output_heads`: the model's own conventions first);
 6. the input layer (a first conv on the raw input channels) -> AdamW;
 7. layout and shape: conv kernels (flattened), ``in x out`` weights (transformers' ``Conv1D``) and
@@ -18,6 +20,10 @@ every trainable parameter, in this order of precedence:
    bare token and position tables, stacks of vectors (a bias per expert, a router's gate vectors) and PEFT
    adapters' scales and coefficients (DoRA's magnitude, IA3's vectors, ...) -> AdamW, 2D weights -> Muon,
    everything smaller -> AdamW.
+
+A parametrization's tensors go by what they are, with their layer's rules (``parametrizations.weight.original1``,
+weight norm's direction, is its conv's kernel; ``original0``, its magnitude, a scale per output -> AdamW; spectral
+norm's and orthogonal's ``original`` the matrix they make), the reason naming the parametrization.
 
 Every route says which of these rules decided (`Rule`), and why in words. Frozen parameters go nowhere. The
 result holds ordinary param groups (with a ``name`` per group and the parameter names) and a table of every

@@ -9,6 +9,7 @@ recognised by name (transformers' ``Conv1D``).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from torch import Tensor, nn
 
@@ -246,6 +247,99 @@ def _litgpt_qkv(config: object) -> tuple[int, int, int] | None:
     if not all(isinstance(v, int) for v in (heads, groups, size)):
         return None
     return heads * size, groups * size, groups * size  # type: ignore[operator]
+
+
+#: torch's parametrizations (``torch.nn.utils.parametrizations``) by class name, in words.
+_PARAMETRIZATIONS = {"_WeightNorm": "weight norm", "_SpectralNorm": "spectral norm", "_Orthogonal": "orthogonal"}
+#: The parameters torch's older hook-based reparametrizations register beside the tensor they make
+#: (``torch.nn.utils.weight_norm``: ``weight_g``, ``weight_v``; ``torch.nn.utils.spectral_norm``: ``weight_orig``).
+_HOOKED_PART = re.compile(r"^(?P<tensor>\w+?)_(?P<part>g|v|orig)$")
+
+
+@dataclass(frozen=True)
+class Parametrized:
+    """A parameter that is not a layer's tensor but makes it through a parametrization: torch's
+    ``parametrizations.weight.original0`` (weight norm's magnitude), ``original1`` (its direction), ``original``
+    (spectral norm's, orthogonal's, any one-tensor parametrization's), or the older ``weight_g``, ``weight_v`` and
+    ``weight_orig``. Its rules are its layer's: a weight-normed conv's direction is that conv's kernel."""
+
+    #: The name of the layer (module) whose tensor it makes (``""``: the model itself).
+    layer: str
+    #: The name of that tensor in the layer (``weight``).
+    tensor: str
+    #: The parametrization, in words (``weight norm``; several: ``weight norm, then MyScale``).
+    by: str
+    #: What of the tensor it is: ``"magnitude"`` (weight norm's: one scale per output), ``"direction"`` (weight
+    #: norm's), ``""`` (the tensor before the parametrization), or ``"original<i>"`` (one of several of a
+    #: parametrization this package does not know).
+    part: str
+
+    @property
+    def words(self) -> str:
+        """What it is, for a reason: ``weight norm's direction of `conv.weight```."""
+        what = {"magnitude": "magnitude", "direction": "direction", "": "original"}.get(self.part, self.part)
+        return f"{self.by}'s {what} of `{self.qualified}`"
+
+    @property
+    def qualified(self) -> str:
+        """The tensor it makes, by its full name (``conv.weight``)."""
+        return f"{self.layer}.{self.tensor}" if self.layer else self.tensor
+
+
+def class_name(module: nn.Module) -> str:
+    """A module's class name, as its user wrote it: ``Conv1d`` for the ``ParametrizedConv1d`` torch makes of a
+    parametrized ``Conv1d``."""
+    cls = type(module)
+    if cls.__name__.startswith("Parametrized") and isinstance(getattr(module, "parametrizations", None), nn.ModuleDict):
+        return cls.__mro__[1].__name__
+    return cls.__name__
+
+
+def parametrized(module: nn.Module) -> dict[str, Parametrized]:
+    """The parameters of ``module`` that make a layer's tensor through a parametrization (`Parametrized`), by
+    full name: torch's ``register_parametrization`` (weight norm, spectral norm, orthogonal, any other) and the
+    older hook-based ``torch.nn.utils.weight_norm`` and ``spectral_norm`` (`_hooked`)."""
+    found: dict[str, Parametrized] = {}
+    for name, m in module.named_modules():
+        prefix = f"{name}." if name else ""
+        lists = getattr(m, "parametrizations", None)
+        if isinstance(lists, nn.ModuleDict):
+            for tensor, chain in lists.items():
+                kinds = [type(p).__name__ for p in chain] if isinstance(chain, nn.ModuleList) else []
+                by = ", then ".join(_PARAMETRIZATIONS.get(k, k) for k in kinds) or "a parametrization"
+                originals = [n for n, _ in chain.named_parameters(recurse=False) if n.startswith("original")]
+                weight_norm = kinds[:1] == ["_WeightNorm"] and set(originals) == {"original0", "original1"}
+                for original in originals:
+                    if weight_norm:
+                        part = "magnitude" if original == "original0" else "direction"
+                    else:
+                        part = "" if original == "original" else original
+                    found[f"{prefix}parametrizations.{tensor}.{original}"] = Parametrized(name, tensor, by, part)
+        found.update((f"{prefix}{n}", made) for n, made in _hooked(name, m).items())
+    return found
+
+
+def _hooked(name: str, m: nn.Module) -> dict[str, Parametrized]:
+    """The parameters of module ``m`` (named ``name``) that torch's older hook-based weight norm or spectral norm
+    registered, known by what they register: ``<t>_g`` and ``<t>_v`` (weight norm) or ``<t>_orig`` with buffers
+    ``<t>_u`` and ``<t>_v`` (spectral norm), beside ``<t>``, the plain tensor they make, of the shape of ``<t>_v``
+    or ``<t>_orig``."""
+    own, buffers = dict(m.named_parameters(recurse=False)), dict(m.named_buffers(recurse=False))
+    found: dict[str, Parametrized] = {}
+    for param_name, p in own.items():
+        match = _HOOKED_PART.match(param_name)
+        if match is None:
+            continue
+        tensor, part = match["tensor"], match["part"]
+        made = getattr(m, tensor, None)
+        if not isinstance(made, Tensor) or isinstance(made, nn.Parameter) or tensor in buffers:
+            continue
+        v = own.get(f"{tensor}_v")
+        if part in ("g", "v") and v is not None and f"{tensor}_g" in own and v.shape == made.shape:
+            found[param_name] = Parametrized(name, tensor, "weight norm", "magnitude" if part == "g" else "direction")
+        elif part == "orig" and p.shape == made.shape and {f"{tensor}_u", f"{tensor}_v"} <= set(buffers):
+            found[param_name] = Parametrized(name, tensor, "spectral norm", "")
+    return found
 
 
 def is_table(param_name: str, param: Tensor) -> bool:

@@ -18,7 +18,7 @@ from lightning_muon.optim._dtensor import fsdp1_wrapped
 from lightning_muon.routing import _roles
 from lightning_muon.routing._route import Route
 from lightning_muon.routing._routing import Routing
-from lightning_muon.routing._trace import GraphRoles
+from lightning_muon.routing._trace import TABLE_USES, USES, GraphRoles
 from lightning_muon.routing._vocabulary import Algorithm, Rule
 
 __all__ = ["Decision", "Kind", "check_pattern_list", "route_parameters"]
@@ -62,6 +62,9 @@ class Kind(Enum):
     COEFFICIENTS = "adapter coefficients"
     #: A bare token or position table (``cls_token``, ``pos_embed``).
     TABLE = "table"
+    #: An elementwise scale of a layer's matrix, one per output (weight norm's magnitude): it goes where its
+    #: layer's bias goes.
+    SCALE = "scale"
     #: A convolution's kernel, seen as ``shape[0] x prod(shape[1:])``.
     KERNEL = "kernel"
     #: A 2D weight (``out x in``, or ``in x out`` as transformers' ``Conv1D``).
@@ -95,6 +98,8 @@ class Decision:
 
 
 _TWO_D_ONLY = "{}D tensor and the Muon class is 2D-only"
+#: How the table marks a parameter no training batch has reached yet (its route is names' and structure's).
+NOT_REACHED = "not reached by a batch yet"
 
 #: A model FSDP1 has flattened (``where``: its wrappers' or flattened parameters' names).
 FSDP1_MODEL_REFUSED = (
@@ -115,6 +120,8 @@ class _Context:
     router: tuple[Rule, int] | None = None
     #: PEFT's name of the adapter it belongs to (``ia3_l``), or None (`_roles.adapter_parameters`).
     adapter: str | None = None
+    #: The parametrization it makes its layer's tensor through (`_roles.parametrized`), or None.
+    made: _roles.Parametrized | None = None
 
 
 def _layout_route(name: str, p: Tensor, module: nn.Module, param_name: str, muon_nd: bool,
@@ -141,6 +148,9 @@ def _not_a_matrix(name: str, p: Tensor, module: nn.Module, param_name: str, cont
     if context.adapter in _roles.ADAPTER_COEFFICIENTS:
         reason = f"not a matrix: {_roles.ADAPTER_COEFFICIENTS[context.adapter]} ({dims})"
         return Decision(Algorithm.ADAMW, "adapters", reason, Rule.CONVENTION, Kind.COEFFICIENTS)
+    if context.made is not None and context.made.part == "magnitude":
+        reason = f"not a matrix: {context.made.words} ({dims}), a scale per output"
+        return Decision(Algorithm.ADAMW, "norms_and_biases", reason, Rule.MODULE_TYPE, Kind.SCALE)
     if p.ndim < 2:
         recurrent = isinstance(module, nn.RNNBase | nn.RNNCellBase) and param_name.startswith("bias_")  # bias_ih_l0
         if name.endswith("bias") or recurrent:
@@ -208,10 +218,25 @@ class _Role:
     head: str | None
     #: Whether it is the input layer's weight.
     is_input: bool
-    #: What the first training batch showed: ``"head"``, ``"input"``, ``"hidden"`` or ``None`` (not seen).
+    #: What the training batches showed: ``"head"``, ``"input"``, ``"hidden"``, ``"elementwise"`` or ``None``
+    #: (not seen, not reached).
     graph: str | None = None
     #: The rule that found the output head `head` (`Rule.CONVENTION`, `Rule.NAME` or `Rule.STRUCTURE`).
     head_rule: Rule = Rule.STRUCTURE
+    #: What the batches did with it where it is no matrix by its use (`GraphRoles.elementwise`).
+    uses: tuple[str, ...] = ()
+    #: Whether a batch after the first showed its role (the first did not reach it).
+    late: bool = False
+
+    @property
+    def batch_rule(self) -> Rule:
+        """The rule that a batch's verdict on it is: `Rule.FIRST_BATCH`, or `Rule.LATER_BATCH`."""
+        return Rule.LATER_BATCH if self.late else Rule.FIRST_BATCH
+
+    @property
+    def batch(self) -> str:
+        """Which batch showed its role, in words."""
+        return "later batch" if self.late else "first batch"
 
 
 def _module_of(alias: str) -> str:
@@ -219,24 +244,46 @@ def _module_of(alias: str) -> str:
 
 
 def _role(name: str, owners: list[tuple[str, nn.Module]], heads: dict[str, Rule], input_layer: str | None,
-          graph: GraphRoles | None) -> _Role:
-    """The `_Role` of parameter ``name``, owned (under every alias of a tied weight) by ``owners``."""
-    own_module = next(mod for alias, mod in owners if alias == name)
-    head = next((_module_of(alias) for alias, _ in owners if _module_of(alias) in heads), None)
+          graph: GraphRoles | None, made: _roles.Parametrized | None, layers: dict[str, nn.Module],
+          matrix_of: dict[str, str]) -> _Role:
+    """The `_Role` of parameter ``name``, owned (under every alias of a tied weight) by ``owners``; a parameter
+    ``made`` through a parametrization has its layer's (``layers`` by name)."""
+    if made is not None:  # its layer's tensor: the layer's module, and the layer as where it sits
+        own_module, places = layers[made.layer], [made.qualified]
+    else:
+        own_module, places = next(mod for alias, mod in owners if alias == name), [alias for alias, _ in owners]
+    head = next((_module_of(place) for place in places if _module_of(place) in heads), None)
+    magnitude = made is not None and made.part == "magnitude"
+    own_place = places[0] if made is not None else name
+    layer_matrix = _layer_matrix(name, made, matrix_of)  # a bias's or a magnitude's: its role is its layer's
+    graph_role = None
+    if graph is not None:
+        layer_role = graph.role(layer_matrix) if layer_matrix is not None else None
+        graph_role = layer_role if magnitude else graph.role(name) or layer_role
+        graph_role = None if graph_role == "elementwise" and layer_matrix is not None else graph_role
     return _Role(
         module=own_module,
         embedding=next((alias for alias, mod in owners if isinstance(mod, _roles.EMBEDDINGS)), None),
         head=head,
-        is_input=name.rsplit(".", 1)[-1] == "weight" and input_layer is not None and _module_of(name) == input_layer,
-        graph=None if graph is None else graph.role(name) or _bias_role(name, graph),
+        is_input=not magnitude and own_place.rsplit(".", 1)[-1] == "weight" and input_layer is not None
+        and _module_of(own_place) == input_layer,
+        graph=graph_role,
         head_rule=Rule.STRUCTURE if head is None else heads[head],
+        uses=tuple(graph.elementwise.get(name, ())) if graph is not None else (),
+        late=graph is not None and (layer_matrix if magnitude else name) in graph.late,
     )
 
 
-def _bias_role(name: str, graph: GraphRoles) -> str | None:
-    """A bias's role is its layer's: the graph role of the ``weight`` beside it."""
+def _layer_matrix(name: str, made: _roles.Parametrized | None, matrix_of: dict[str, str]) -> str | None:
+    """The parameter whose role a bias's or weight norm's magnitude's is: its layer's matrix (the ``weight``
+    beside the bias, the direction beside the magnitude); ``None`` for other parameters."""
+    if made is not None:
+        return matrix_of.get(made.qualified) if made.part == "magnitude" else None
     module, _, leaf = name.rpartition(".")
-    return graph.role(f"{module}.weight" if module else "weight") if leaf == "bias" else None
+    if leaf != "bias":
+        return None
+    weight = f"{module}.weight" if module else "weight"
+    return matrix_of.get(weight, weight)
 
 
 def _matched(patterns: Sequence[str], aliases: Sequence[str]) -> str | None:
@@ -273,24 +320,26 @@ def _role_route(role: _Role, by_layout: Decision) -> Decision | None:
     output head, the input layer; None if no role decides."""
     module = role.module
     if isinstance(module, _roles.EMBEDDINGS):
-        return by_layout.overruled(Algorithm.ADAMW, "embeddings", f"{type(module).__name__} weight", Rule.MODULE_TYPE)
+        return by_layout.overruled(Algorithm.ADAMW, "embeddings", f"{_roles.class_name(module)} weight",
+                                   Rule.MODULE_TYPE)
     if _roles.is_norm(module):
-        reason = f"norm layer ({type(module).__name__})"
+        reason = f"norm layer ({_roles.class_name(module)})"
         return by_layout.overruled(Algorithm.ADAMW, "norms_and_biases", reason, Rule.MODULE_TYPE)
     if role.embedding:
         return by_layout.overruled(Algorithm.ADAMW, "embeddings", f"tied to embedding `{role.embedding}`", Rule.TIE)
     if role.graph is not None and by_layout.optimizer is Algorithm.MUON:  # a matrix: the batch decides (not tables)
         return _graph_route(role, by_layout)
-    if role.graph is not None and by_layout.kind is Kind.BIAS:  # a bias goes where its layer's weight goes
+    if role.graph is not None and by_layout.kind in (Kind.BIAS, Kind.SCALE):  # where its layer's weight goes
         if role.graph != "head":
             return by_layout
-        return by_layout.overruled(Algorithm.ADAMW, "head", "output head's bias (first batch)", Rule.FIRST_BATCH)
+        what = "bias" if by_layout.kind is Kind.BIAS else "magnitude"
+        return by_layout.overruled(Algorithm.ADAMW, "head", f"output head's {what} ({role.batch})", role.batch_rule)
     if role.head:
         return by_layout.overruled(Algorithm.ADAMW, "head", f"output head `{role.head}`", role.head_rule)
     if role.is_input:
         channels = getattr(module, "in_channels", "?")
         plural = "" if channels == 1 else "s"
-        reason = f"input layer ({type(module).__name__} on {channels} input channel{plural})"
+        reason = f"input layer ({_roles.class_name(module)} on {channels} input channel{plural})"
         return by_layout.overruled(Algorithm.ADAMW, "input", reason, Rule.STRUCTURE)
     return None
 
@@ -311,17 +360,25 @@ def _adapter_route(aliases: Sequence[str], decision: Decision) -> Decision:
 
 
 def _graph_route(role: _Role, by_layout: Decision) -> Decision:
-    """A matrix's route from what the first training batch showed (`GraphRoles`)."""
+    """A matrix's route from what the training batches showed (`GraphRoles`)."""
     if role.graph == "head":
-        reason = "output head: feeds the loss through no other matrix (first batch)"
-        return by_layout.overruled(Algorithm.ADAMW, "head", reason, Rule.FIRST_BATCH)
+        reason = f"output head: feeds the loss through no other matrix ({role.batch})"
+        return by_layout.overruled(Algorithm.ADAMW, "head", reason, role.batch_rule)
     if role.graph == "input":
-        reason = "input layer: reads the batch through no other matrix (first batch)"
-        return by_layout.overruled(Algorithm.ADAMW, "input", reason, Rule.FIRST_BATCH)
+        reason = f"input layer: reads the batch through no other matrix ({role.batch})"
+        return by_layout.overruled(Algorithm.ADAMW, "input", reason, role.batch_rule)
+    if role.graph == "elementwise":  # used, never as a matrix: a table or a scale, whatever its name or shape
+        table = bool(set(role.uses) & TABLE_USES)
+        what = "a table" if table else "a scale"
+        how = " and ".join(USES[u] for u in role.uses)
+        dims = by_layout.reason if by_layout.kind is not Kind.MATRIX else "hidden matrix"
+        reason = f"not a matrix, {what}: the {role.batch} only {how} (not the {dims} its shape suggests)"
+        return by_layout.overruled(Algorithm.ADAMW, "embeddings" if table else "norms_and_biases", reason,
+                                   role.batch_rule)
     overruled = "output head" if role.head else "input layer" if role.is_input else None
     if overruled:  # the structural rules guessed a role the computation does not have
-        reason = f"{by_layout.reason}; not the {overruled} its name or place suggests (first batch)"
-        return replace(by_layout, reason=reason, rule=Rule.FIRST_BATCH)
+        reason = f"{by_layout.reason}; not the {overruled} its name or place suggests ({role.batch})"
+        return replace(by_layout, reason=reason, rule=role.batch_rule)
     return by_layout
 
 
@@ -424,18 +481,29 @@ def route_parameters(
     input_layer = _roles.find_input_layer(module)
     routers = _roles.routers(module)
     adapters = _roles.adapter_parameters(module)
+    parametrized = _roles.parametrized(module)
+    layers = dict(module.named_modules()) if parametrized else {}
+    # a parametrized tensor (``conv.weight``) -> the parameter that is its matrix (weight norm's direction)
+    matrix_of = {made.qualified: alias for alias, made in parametrized.items() if made.part != "magnitude"}
 
     routes = []
     for name, p in trainable.items():
-        role = _role(name, owners[id(p)], heads, input_layer, graph)
+        made = next((parametrized[a] for a in aliases[name] if a in parametrized), None)
+        role = _role(name, owners[id(p)], heads, input_layer, graph, made, layers, matrix_of)
         to_muon, to_adamw = (_matched(patterns, aliases[name]) for patterns in (muon_params, adamw_params))
         router = next((routers[_module_of(a)] for a in aliases[name] if _module_of(a) in routers), None)
-        context = _Context(router=router, adapter=next((adapters[a] for a in aliases[name] if a in adapters), None))
-        by_layout = _layout_route(name, p, role.module, name.rsplit(".", 1)[-1], muon_nd, context)
+        context = _Context(router=router, adapter=next((adapters[a] for a in aliases[name] if a in adapters), None),
+                           made=made)
+        tensor = made.tensor if made is not None else name.rsplit(".", 1)[-1]
+        by_layout = _layout_route(name, p, role.module, tensor, muon_nd, context)
         if to_muon or to_adamw:
             decision = _pattern_route(name, p, role, by_layout, to_muon, to_adamw, muon_nd)
         else:
             decision = _adapter_route(aliases[name], _role_route(role, by_layout) or by_layout)
+        if made is not None and made.words not in decision.reason:
+            decision = replace(decision, reason=f"{decision.reason}; {made.words}")
+        if graph is not None and graph.unreached is not None and name in graph.unreached:
+            decision = replace(decision, reason=f"{decision.reason}; {NOT_REACHED}")
         routes.append(decision.route(name, tuple(p.shape)))
 
     found = _Found(_roles.fused_projections(module), _roles.recurrent_gates(module), _roles.grouped_kernels(module))
@@ -551,4 +619,10 @@ def _roles_from(graph: GraphRoles | None) -> str:
         return "names and structure (no training batch seen)"
     if graph.heads is None and graph.inputs is None:
         return f"names and structure (the training batch could not be followed: {graph.note})"
-    return "the first batch's computation" + (f" ({graph.note})" if graph.note else "")
+    said = "the first batch's computation" + (" and later batches'" if graph.late else "")
+    said += f" ({graph.note})" if graph.note else ""
+    if graph.unreached:
+        count = len(graph.unreached)
+        said += (f"; {count} parameter{'' if count == 1 else 's'} no batch has reached yet (\"{NOT_REACHED}\"): "
+                 "from names and structure until one does")
+    return said

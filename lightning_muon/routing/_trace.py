@@ -21,6 +21,16 @@ Under tensor parallelism the batch and the activations pass in and out of DTenso
 (``DTensor.from_local``, ``to_local``): a DTensor and its local shard are taken to hold the same thing, so the trace
 follows a model whose every parameter is a DTensor as it follows the plain one.
 
+It also sees how each parameter is used: as a matrix (the weight operand of a matmul, linear or convolution,
+directly or through a parametrization: ``W.t()``, weight norm's direction), or only added, multiplied
+elementwise, indexed, concatenated beside activations, fed to a layer as its input, or broadcast to scale a
+matrix (weight norm's magnitude). A parameter used only so is no linear map, whatever its name or shape
+(`GraphRoles.elementwise`); one that meets a call the trace does not know gets no such verdict.
+
+Which trainable parameters the batch reached at all is read from the loss's autograd graph (the parameters it
+will give a gradient); the others are `GraphRoles.unreached`: their roles come from names and structure until a
+later batch reaches them (`GraphRoles.merge`).
+
 The trace follows the batch itself, not the autograd graph: the batch does not require gradients, so it is not in
 that graph, and the constants that are (RoPE tables, masks) would read as data there. The trace is observation
 only: every call runs unchanged (compiled modules run eagerly during it), and the trace's own bookkeeping never
@@ -32,8 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,7 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_muon.optim._dtensor import local_tensor
 
-__all__ = ["MATRIX_OPS", "GraphRoles", "RoleTrace", "loss_in", "trace_roles", "trace_step"]
+__all__ = ["MATRIX_OPS", "USES", "GraphRoles", "RoleTrace", "loss_in", "trace_roles", "trace_step"]
 
 #: The recurrent layers' calls: all their matrices in one call.
 _RECURRENT = frozenset(
@@ -59,12 +69,26 @@ MATRIX_OPS = _RECURRENT | frozenset({
 })
 
 
+#: What a batch did with a parameter it used, but not as a matrix, in words (`GraphRoles.elementwise`).
+USES = {
+    "adds": "adds it to activations",
+    "multiplies": "multiplies activations by it elementwise",
+    "indexes": "indexes it",
+    "concatenates": "concatenates it with activations",
+    "feeds": "feeds it to a layer as its input",
+    "scales": "scales a matrix by it (broadcast)",
+}
+#: Uses that make a parameter a table (token or position rows), not a scale.
+TABLE_USES = frozenset({"adds", "indexes", "concatenates", "feeds"})
+
+
 @dataclass(frozen=True)
 class GraphRoles:
-    """The roles one batch showed, by parameter name (plain data: saved in checkpoints as `to_dict`).
+    """The roles the batches showed, by parameter name (plain data: saved in checkpoints as `to_dict`).
 
     ``heads`` and ``inputs`` are ``None`` where the batch gave no verdict (the loss was not followed, or no
-    batch tensor reached a matrix op): those roles then come from the structural rules.
+    batch tensor reached a matrix op): those roles then come from the structural rules. A parameter in
+    ``unreached`` has no role yet, whatever the sets say: no batch has reached it.
     """
 
     #: Matrices applied by a matrix op during the forward.
@@ -75,16 +99,86 @@ class GraphRoles:
     inputs: frozenset[str] | None = None
     #: Why there is no verdict (``""`` when there is one).
     note: str = ""
+    #: Parameters the batch used, never as a matrix: what it did with each (keys of `USES`, in order).
+    elementwise: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
+    #: Trainable parameters the loss did not depend on (no batch has reached them yet); ``None``: not known
+    #: (every parameter is taken as reached).
+    unreached: frozenset[str] | None = None
+    #: Parameters that a later batch reached first, not the first one (`merge`).
+    late: frozenset[str] = frozenset()
 
     def role(self, name: str) -> str | None:
-        """``"head"``, ``"input"``, ``"hidden"`` (seen, neither), or ``None`` (the batch cannot tell)."""
+        """``"head"``, ``"input"``, ``"hidden"`` (seen, neither), ``"elementwise"`` (used, never as a matrix), or
+        ``None`` (the batches cannot tell, or have not reached it)."""
+        if self.unreached is not None and name in self.unreached:
+            return None
         if self.heads is not None and name in self.heads:
             return "head"
         if self.inputs is not None and name in self.inputs:
             return "input"
         if name in self.seen and self.heads is not None:
             return "hidden"
+        if name in self.elementwise:
+            return "elementwise"
         return None
+
+    def reached(self, names: frozenset[str] | set[str]) -> GraphRoles:
+        """These roles with ``names`` taken as reached, with no verdict of their own: their roles stay the ones
+        names and structure give (parameters that trained by a path the batches could not show)."""
+        if self.unreached is None or not self.unreached & names:
+            return self
+        return replace(self, unreached=self.unreached - names)
+
+    def merge(self, later: GraphRoles) -> GraphRoles:
+        """These roles with what ``later``, a later batch's, showed of the parameters these had not reached and it
+        did (they are `late`); the others keep theirs (their optimizers hold them already)."""
+        if self.unreached is None or later.unreached is None or later.heads is None:
+            return self
+        newly = self.unreached - later.unreached
+        if not newly:
+            return self
+        inputs = None if self.inputs is None and later.inputs is None else (
+            (self.inputs or frozenset()) | ((later.inputs or frozenset()) & newly))
+        return replace(
+            self,
+            seen=self.seen | (later.seen & newly),
+            heads=(self.heads or frozenset()) | (later.heads & newly),
+            inputs=inputs,
+            elementwise={**self.elementwise, **{n: u for n, u in later.elementwise.items() if n in newly}},
+            unreached=self.unreached - newly,
+            late=self.late | newly,
+        )
+
+    @classmethod
+    def combined(cls, per_rank: Sequence[GraphRoles]) -> tuple[GraphRoles, list[str]]:
+        """The roles several ranks' batches of one step showed together, with the parameters two ranks that reached
+        them saw in different roles (sorted). A parameter one rank did not reach takes the role the ranks that did
+        saw; one no rank reached stays unreached. Where a rank has no verdict (its trace failed, its loss was not
+        followed), each rank keeps its own (the first's is returned)."""
+        if len(per_rank) == 1 or any(r.unreached is None or r.heads is None for r in per_rank):
+            return per_rank[0], []
+        unreached = frozenset.intersection(*(r.unreached for r in per_rank if r.unreached is not None))
+
+        def known(r: GraphRoles, names: frozenset[str] | None) -> frozenset[str]:
+            return (names or frozenset()) - (r.unreached or frozenset())
+
+        names = frozenset().union(*(r.seen | (r.heads or frozenset()) | (r.inputs or frozenset()) | set(r.elementwise)
+                                    for r in per_rank))
+        conflicts = sorted(n for n in names if len({r.role(n) for r in per_rank} - {None}) > 1)
+        elementwise: dict[str, tuple[str, ...]] = {}
+        for r in per_rank:
+            elementwise.update((n, u) for n, u in r.elementwise.items() if n not in (r.unreached or frozenset()))
+        inputs = [known(r, r.inputs) for r in per_rank if r.inputs is not None]
+        combined = cls(
+            seen=frozenset().union(*(known(r, r.seen) for r in per_rank)),
+            heads=frozenset().union(*(known(r, r.heads) for r in per_rank)),
+            inputs=frozenset().union(*inputs) if inputs else None,
+            note="; ".join(dict.fromkeys(r.note for r in per_rank if r.note)),
+            elementwise=elementwise,
+            unreached=unreached,
+            late=frozenset().union(*(r.late for r in per_rank)),
+        )
+        return combined, conflicts
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -92,16 +186,22 @@ class GraphRoles:
             "heads": None if self.heads is None else sorted(self.heads),
             "inputs": None if self.inputs is None else sorted(self.inputs),
             "note": self.note,
+            "elementwise": {n: list(u) for n, u in sorted(self.elementwise.items())},
+            "unreached": None if self.unreached is None else sorted(self.unreached),
+            "late": sorted(self.late),
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GraphRoles:
-        heads, inputs = data.get("heads"), data.get("inputs")
+        heads, inputs, unreached = data.get("heads"), data.get("inputs"), data.get("unreached")
         return cls(
             seen=frozenset(data.get("seen", ())),
             heads=None if heads is None else frozenset(heads),
             inputs=None if inputs is None else frozenset(inputs),
             note=data.get("note", ""),
+            elementwise={n: tuple(u) for n, u in data.get("elementwise", {}).items()},
+            unreached=None if unreached is None else frozenset(unreached),
+            late=frozenset(data.get("late", ())),
         )
 
 
@@ -150,6 +250,35 @@ _CONCATENATIONS = frozenset({"cat", "concat", "concatenate", "stack", "hstack", 
 
 _IN_PLACE = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"})
 
+#: Matrix ops that look rows of their matrix up rather than apply it (`USES` ``"indexes"``).
+_LOOKUPS = frozenset({"embedding", "embedding_bag"})
+#: Calls that select parts of their first argument by an index (a parameter selected by an activation, such as an
+#: expert's matrix chosen by a router, stays the parameter).
+_SELECTIONS = frozenset({"__getitem__", "index_select", "gather", "take", "take_along_dim", "narrow", "select"})
+#: Calls that combine a parameter with activations without applying it as a matrix, with the word for each.
+_USE_OF = {
+    **dict.fromkeys(("add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", "__rsub__", "__isub__",
+                     "sub_", "rsub", "subtract", "lerp"), "adds"),
+    **dict.fromkeys(("mul", "__mul__", "__rmul__", "__imul__", "mul_", "multiply", "div", "__truediv__",
+                     "__rtruediv__", "__itruediv__", "div_", "true_divide", "divide", "addcmul", "addcdiv", "where",
+                     "maximum", "minimum"), "multiplies"),
+    **dict.fromkeys(_SELECTIONS | _LOOKUPS, "indexes"),
+    **dict.fromkeys(_CONCATENATIONS | {"__setitem__"}, "concatenates"),
+}
+#: The argument a layer's matrix op reads its input from (the rest being its matrices), by op.
+_LAYER_INPUT = {
+    **dict.fromkeys(("linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                     "conv_transpose3d", "convolution"), ("input",)),
+    "bilinear": ("input1", "input2"),
+}
+
+
+def _layer_inputs(op: str, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors a layer's matrix op reads as its input (``linear``'s ``input``), not as its matrix."""
+    names = _LAYER_INPUT.get(op, ())
+    found = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+    return [t for t in found if isinstance(t, Tensor)]
+
 
 @dataclass
 class RoleTrace(TorchFunctionMode):
@@ -166,14 +295,23 @@ class RoleTrace(TorchFunctionMode):
     _param_names: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     #: Leaf tensors that require gradients but are no parameter of the module (looked up once).
     _strangers: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
-    #: Tensors computed from parameters alone -> the matrices among those parameters.
+    #: Tensors computed from parameters and buffers alone -> the matrices among those parameters.
     _weights: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
+    #: The same tensors -> the matrices whose values they hold whole (not broadcast: weight norm's direction is,
+    #: its magnitude is not).
+    _whole: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     #: Tensors from the batch.
     _from_batch: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     #: Tensors -> the matrices whose outputs reach them through no other matrix.
     _carried: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     _seen: set[str] = field(default_factory=set)
     _inputs: set[str] = field(default_factory=set)
+    #: Parameters used as a matrix; used otherwise (with how, `USES`); used in calls the trace does not know.
+    _as_matrix: set[str] = field(default_factory=set)
+    _uses: dict[str, set[str]] = field(default_factory=dict)
+    _unknown_uses: set[str] = field(default_factory=set)
+    #: Every parameter a call took.
+    _met: set[str] = field(default_factory=set)
     _batch_reached_matrix: bool = False
     _failure: str = ""
 
@@ -187,12 +325,17 @@ class RoleTrace(TorchFunctionMode):
         """Know every parameter the module holds now by its name, frozen ones too: a frozen embedding, backbone or
         base model is a layer like any other, so a head or input layer is found through it, never because of it.
         FSDP2 swaps the registered (sharded) parameters for unsharded ones while a module runs: a parameter first
-        met in a call is looked up again then."""
+        met in a call is looked up again then. Buffers are known as constants of the model: what is computed from
+        parameters and buffers alone (spectral norm's power iteration, orthogonal's base) is a parameter's."""
         for prefix, mod in self.module.named_modules(remove_duplicate=False):
             for name, p in mod.named_parameters(recurse=False):
                 if p not in self._param_names:
                     self._param_names[p] = f"{prefix}.{name}" if prefix else name
                     self._weights[p] = frozenset({self._param_names[p]}) if p.ndim >= 2 else frozenset()
+                    self._whole[p] = self._weights[p]
+            for b in mod.buffers(recurse=False):
+                if b not in self._weights and b not in self._from_batch:
+                    self._weights[b] = self._whole[b] = frozenset()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -209,16 +352,10 @@ class RoleTrace(TorchFunctionMode):
         if not inputs:
             return
         self._link_shards(inputs)
-        new = [t for t in inputs if t.is_leaf and (t.requires_grad or isinstance(t, nn.Parameter))
-               and t not in self._param_names]
-        if any(t not in self._strangers for t in new):
-            self._know_parameters()
-            for t in new:
-                if t not in self._param_names:
-                    self._strangers[t] = True
-        weights = [self._weights[t] for t in inputs if t in self._weights]
+        self._meet(inputs)
+        weights = [t for t in inputs if t in self._weights]
         others = [t for t in inputs if t not in self._weights]
-        applied: frozenset[str] = frozenset().union(*weights)
+        applied: frozenset[str] = frozenset().union(*(self._weights[t] for t in weights))
         carried: frozenset[str] = frozenset().union(*(self._carried.get(t, frozenset()) for t in others))
         any_batch = any(t in self._from_batch for t in others)
         # Masks, lengths and indices from the batch applied to an activation leave it an activation; the batch's
@@ -226,17 +363,71 @@ class RoleTrace(TorchFunctionMode):
         activations = any(t in self._carried and t not in self._from_batch for t in others)
         from_batch = any_batch and (not activations or name in _CONCATENATIONS)
         targets = self._targets(name, inputs, out)
-        if name in MATRIX_OPS and applied and others:  # a matrix applied to an activation or to the batch
-            self._seen |= applied
-            if from_batch:
-                self._inputs |= _input_side(name, applied)
-                self._batch_reached_matrix = True
-            self._mark(targets, carried=_output_side(name, applied))
+        if name in MATRIX_OPS and applied:
+            self._matrix_op(name, args, kwargs, weights, bool(others), from_batch, targets)
         elif weights and not any_batch and not carried:  # computed from parameters (and constants) alone
-            self._mark(targets, weights=applied)
+            for t in targets:
+                whole = frozenset().union(*(self._whole[w] for w in weights if w.numel() >= t.numel()))
+                self._mark([t], weights=applied, whole=whole)
+        elif name in _SELECTIONS and inputs[0] in self._weights and not any_batch:
+            # a parameter's part chosen by an activation (an expert's matrix by its router): still the parameter
+            self._mark(targets, weights=self._weights[inputs[0]], whole=self._whole[inputs[0]])
         else:
+            if applied:  # parameters combined with activations or the batch, not as a matrix
+                use = _USE_OF.get(name)
+                if use is None:
+                    self._unknown_uses |= applied
+                else:
+                    self._use(applied, use)
             self._mark(targets, from_batch=from_batch, carried=carried)
         self._link_shards(targets)
+
+    def _meet(self, inputs: list[Tensor]) -> None:
+        """Know the parameters among a call's ``inputs`` (looking up new ones again: FSDP2's unsharded copies)."""
+        new = [t for t in inputs if t.is_leaf and (t.requires_grad or isinstance(t, nn.Parameter))
+               and t not in self._param_names]
+        if any(t not in self._strangers for t in new):
+            self._know_parameters()
+            for t in new:
+                if t not in self._param_names:
+                    self._strangers[t] = True
+        self._met.update(n for t in inputs if (n := self._param_names.get(t)) is not None)
+
+    def _matrix_op(self, name: str, args: tuple, kwargs: dict, weights: list[Tensor], on_data: bool,
+                   from_batch: bool, targets: list[Tensor]) -> None:
+        """A matrix op that takes parameters (``weights``): applied to an activation, the batch or a fresh tensor
+        (``on_data``), or a product of parameters and buffers (spectral norm's sigma, orthogonal's base @ Q,
+        ``A @ B``)."""
+        matrices = self._note_matrix_use(name, args, kwargs, weights)
+        if not on_data:
+            applied = frozenset().union(*(self._weights[t] for t in weights))
+            self._mark(targets, weights=applied, whole=matrices)
+            return
+        applied = matrices or frozenset().union(*(self._weights[t] for t in weights))
+        self._seen |= applied
+        if from_batch:
+            self._inputs |= _input_side(name, applied)
+            self._batch_reached_matrix = True
+        self._mark(targets, carried=_output_side(name, applied))
+
+    def _note_matrix_use(self, name: str, args: tuple, kwargs: dict, weights: list[Tensor]) -> frozenset[str]:
+        """Record how a matrix op uses the parameters it takes, and return the matrices it applies: those whose
+        values its matrix operands hold whole (not those broadcast over one, which scale it, nor a parameter fed
+        to a layer as its input)."""
+        fed = {id(t) for t in _layer_inputs(name, args, kwargs)}
+        operands = [w for w in weights if id(w) not in fed]
+        matrices = frozenset().union(*(self._whole[w] for w in operands))
+        self._use(frozenset().union(*(self._weights[w] for w in weights if id(w) in fed)), "feeds")
+        if name in _LOOKUPS:
+            self._use(frozenset().union(*(self._weights[w] for w in operands)), "indexes")
+            return matrices
+        self._as_matrix |= matrices
+        self._use(frozenset().union(*(self._weights[w] - self._whole[w] for w in operands)), "scales")
+        return matrices
+
+    def _use(self, names: frozenset[str], use: str) -> None:
+        for n in names:
+            self._uses.setdefault(n, set()).add(use)
 
     def _link_shards(self, tensors: list[Tensor]) -> None:
         """A DTensor and its local shard hold the same values: what is known of one holds for the other. Tensor
@@ -246,7 +437,7 @@ class RoleTrace(TorchFunctionMode):
             local = local_tensor(t)
             if local is None:
                 continue
-            for facts in (self._weights, self._from_batch, self._carried):
+            for facts in (self._weights, self._whole, self._from_batch, self._carried):
                 if t in facts and local not in facts:
                     facts[local] = facts[t]
                 elif local in facts and t not in facts:
@@ -259,19 +450,47 @@ class RoleTrace(TorchFunctionMode):
             targets.append(inputs[0])  # x[...] = y, x += y, x.copy_(y): x now holds what y held too
         return [t for t in targets if t not in self._param_names]
 
-    def _mark(self, targets: list[Tensor], *, weights: frozenset[str] | None = None, from_batch: bool = False,
+    def _mark(self, targets: list[Tensor], *, weights: frozenset[str] | None = None,
+              whole: frozenset[str] = frozenset(), from_batch: bool = False,
               carried: frozenset[str] = frozenset()) -> None:
-        """Record what ``targets`` now hold: parameters alone (``weights``), or the batch and carried matrices."""
+        """Record what ``targets`` now hold: parameters alone (``weights``, of which ``whole`` unbroadcast), or the
+        batch and carried matrices."""
         for t in targets:
             self._weights.pop(t, None)
+            self._whole.pop(t, None)
             self._from_batch.pop(t, None)
             self._carried.pop(t, None)
             if weights is not None:
                 self._weights[t] = weights
+                self._whole[t] = whole & weights
             if from_batch:
                 self._from_batch[t] = True
             if carried:
                 self._carried[t] = carried
+
+    def _reached(self, loss: Tensor) -> frozenset[str] | None:
+        """The parameters the loss depends on (those it will give a gradient), from its autograd graph; ``None``
+        where it has none. Behind a reentrant activation checkpoint (whose graph hides its parameters), every
+        parameter a call took."""
+        if loss.grad_fn is None:
+            return None
+        found: set[str] = set()
+        hidden = False
+        stack: list[Any] = [loss.grad_fn]
+        visited: set[Any] = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in visited:
+                continue
+            visited.add(node)
+            variable = getattr(node, "variable", None)
+            if isinstance(variable, Tensor):
+                if (name := self._param_names.get(variable)) is not None:
+                    found.add(name)
+            elif type(node).__name__ == "CheckpointFunctionBackward":
+                hidden = True
+            stack.extend(f for f, _ in node.next_functions)
+        return frozenset(found | self._met if hidden else found)
 
     def roles(self, loss: Tensor | None) -> GraphRoles:
         """The roles this trace saw, with ``loss`` the forward's loss (``None``: no head verdict)."""
@@ -287,7 +506,17 @@ class RoleTrace(TorchFunctionMode):
         inputs = frozenset(self._inputs) if self._batch_reached_matrix else None
         if inputs is None:
             note.append("no tensor of the batch reached a matrix")
-        return GraphRoles(seen=seen, heads=heads, inputs=inputs, note="; ".join(note))
+        elementwise = {n: tuple(u for u in USES if u in uses) for n, uses in self._uses.items()
+                       if n not in self._as_matrix and n not in self._unknown_uses}
+        unreached = None
+        try:
+            reached = self._reached(loss) if heads is not None and loss is not None else None
+        except Exception:  # a graph node the walk cannot read: what the batch reached is not known
+            reached = None
+        if reached is not None:
+            unreached = frozenset(n for n, p in self.module.named_parameters() if p.requires_grad) - reached
+        return GraphRoles(seen=seen, heads=heads, inputs=inputs, note="; ".join(note), elementwise=elementwise,
+                          unreached=unreached)
 
 
 @contextlib.contextmanager

@@ -61,8 +61,11 @@ class Rule(_Named):
     MODULE_TYPE = "module type"
     #: A weight tied to an embedding.
     TIE = "tie"
-    #: What a training batch showed (`lightning_muon.routing.GraphRoles`): output heads, input layers.
+    #: What a training batch showed (`lightning_muon.routing.GraphRoles`): output heads, input layers, tensors that
+    #: are no matrix by their use.
     FIRST_BATCH = "first batch"
+    #: The same, shown by the batch that first reached a parameter the first batch did not.
+    LATER_BATCH = "later batch"
     #: The model's own word: transformers' ``get_output_embeddings()``, timm's ``get_classifier()``, PEFT's ``lora_B``.
     CONVENTION = "convention"
     #: A name: a head's (``lm_head``, ``classifier``), a token or position table's (``cls_token``).

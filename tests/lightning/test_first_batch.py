@@ -169,8 +169,9 @@ def test_every_matrix_leaving_muon_leaves_it_empty_not_broken(tmp_path):
 
 
 class InputOnRankZero(MuonMixin, ParallelHeads):
-    """On rank 0 an extra Linear reads the batch; on rank 1 it is never used, and the structural rules take it
-    (the last Linear outside repeated blocks) for the head."""
+    """On rank 0 an extra Linear reads the batch and ``hidden`` maps it straight to the loss (an output head there);
+    on rank 1 ``extra`` is never used (it takes the role rank 0 saw: ranks combine what they reached) and ``hidden``
+    is the hidden layer it is."""
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -184,15 +185,16 @@ class InputOnRankZero(MuonMixin, ParallelHeads):
 
 
 @pytest.mark.distributed
-def test_ranks_whose_batches_show_different_routings_are_refused_on_every_rank(tmp_path):
+def test_ranks_whose_batches_show_different_roles_are_refused_on_every_rank(tmp_path):
     trainer = L.Trainer(
         accelerator="cpu", devices=2, max_steps=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[EndProcessGroup()],
         strategy=ForkedDDP(find_unused_parameters=True),
     )
-    with pytest.raises(ProcessRaisedException, match="showed different routings") as raised:
+    with pytest.raises(ProcessRaisedException, match="showed different roles") as raised:
         trainer.fit(InputOnRankZero(muon=muon_factory()))
-    assert "extra.weight: AdamW/input on rank 0, AdamW/head on rank 1" in str(raised.value)
+    assert "  hidden.weight: head on rank 0, hidden on rank 1\n" in str(raised.value)
+    assert "extra.weight" not in str(raised.value)
     assert "muon_params=[...]) or adamw_params=[...]" in str(raised.value)
 
 

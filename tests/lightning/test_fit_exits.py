@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_muon import MuonMixin
-from lightning_muon.optim._norms import total_norm
+from lightning_muon.optim.norms import total_norm
 
 from helpers import finetuning_classes, same, snapshot
 
