@@ -275,6 +275,7 @@ RUN = {
     "lightning_muon.optim.adamw.AdamW#0": (),
     "lightning_muon.lightning.finetuning.MuonBackboneFinetuning#0": (),
     "lightning_muon.routing._rules.route_parameters#0": (),
+    "lightning_muon.optim.newton_schulz.zeropower_via_newtonschulz#1": (),  # #0 is the iteration, a text block
 }
 #: The Python blocks that only parse, and why they cannot run on their own.
 PARSE_ONLY = {

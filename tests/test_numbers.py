@@ -58,6 +58,16 @@ FIGURES = [
     ("docs/benchmarks.md", "GPT-2 -0.0226 (-0.0220, -0.0232), litgpt's GQA qkv -0.0001, Qwen3-MoE's `gate_up_proj` "
      "+0.0102; NorMuon Llama -0.0065 (-0.0041, -0.0089), Qwen3-MoE +0.0027", "muon_variants_models.md"),
     ("docs/benchmarks.md", "116 s wall at a load average of 1.0-1.8", "device_check_cpu.md"),
+    ("docs/explanations/how-muon-works.md", "(0.0001 to 0.6080 after the scaling)", "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md", "lie in the band 0.68..1.13", "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md", "lifts it only to 0.0493 (0.1029 in bf16)", "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md", "It is 0.362 for this\n  update and 0.383 for a Gaussian",
+     "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md", "127 of 128 in the band, error 0.192", "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md", "differs from float32's by 0.0277", "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md", "bf16 Newton-Schulz ended at 1.9733 ± 0.0039 and float32 at\n  1.9526 ± 0.0118",
+     "third_party.md"),
+    ("docs/explanations/how-muon-works.md", "Polar Express in bf16 ended at 1.9511 ± 0.0080", "third_party.md"),
 ]
 #: Statements that were true once, or never, and were quoted after the code, the config or the results file changed:
 #: (the words, matched across line breaks on every page and the README, why they are wrong). Add the old wording
@@ -266,7 +276,8 @@ def lr_scaling_rows(page: str) -> dict[str, str]:
     return rows
 
 
-@pytest.mark.parametrize("page", ["docs/guides/optimizer.md", "docs/guides/migration.md"])
+@pytest.mark.parametrize("page", ["docs/guides/optimizer.md", "docs/guides/migration.md",
+                                  "docs/explanations/how-muon-works.md"])
 def test_the_lr_scaling_tables_are_adjust_lr(page):
     """Each row of a page's lr-scaling table, evaluated at several shapes, is what `adjust_lr` computes."""
     from lightning_muon import adjust_lr
