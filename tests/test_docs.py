@@ -70,7 +70,7 @@ def plain_text(fragment: str) -> str:
 def rendered_signature(page: str, path: str) -> str:
     """The signature block under the heading of the object ``path``, as text."""
     heading = page.index(f'id="{path}"')
-    block = re.search(r'<div class="doc-signature[^"]*">(.*?)</div>', page[heading:], re.S)
+    block = re.search(r'<div class="[^"]*doc-signature[^"]*">(.*?)</div>', page[heading:], re.S)
     assert block is not None, f"no signature under {path}"
     return plain_text(block.group(1))
 
@@ -88,7 +88,7 @@ def signature_defaults(signature: str) -> dict[str, str]:
 
 def rendered_defaults(page: str) -> list[str]:
     """Every place a page shows a default: its signatures, and the Default column of its parameter tables."""
-    shown = [plain_text(block) for block in re.findall(r'<div class="doc-signature[^"]*">(.*?)</div>', page, re.S)]
+    shown = [plain_text(block) for block in re.findall(r'<div class="[^"]*doc-signature[^"]*">(.*?)</div>', page, re.S)]
     for table in re.findall(r"<table>(.*?)</table>", page, re.S):
         if "<th>Default</th>" in table:
             for row in re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.S):
@@ -448,3 +448,46 @@ def test_the_readme_names_pages_that_exist():
             "docs/troubleshooting.md", "docs/benchmarks.md"} <= set(pages)
     assert [page for page in pages if not (ROOT / page).is_file()] == []
     assert len(text.splitlines()) <= 200
+
+
+# ------------------------------------------------------------------ output readable on screen
+
+#: How many columns a code block shows at 1400 px with both sidebars (docs/stylesheets/extra.css, measured with a
+#: headless browser): an aligned line of output (a table's row) must fit; other output lines wrap on screen.
+COLUMNS = 100
+
+
+def aligned_lines_too_wide(text: str) -> list[str]:
+    """The lines of a page's output blocks (```text) wider than `COLUMNS` that are aligned in columns (two spaces
+    between words, or a box drawn by rich): the CSS wraps a long line, and a wrapped table row falls apart."""
+    found = []
+    for block in re.findall(r"```text\n(.*?)```", text, re.S):
+        found += [line for line in block.splitlines()
+                  if len(line) > COLUMNS and re.search(r"\S {2,}\S|[│┃─━]", line)]
+    return found
+
+
+def test_a_wide_table_row_in_an_output_block_is_caught():
+    row = "name" + " " * 60 + "AdamW" + " " * 40 + "rule"
+    assert aligned_lines_too_wide(f"```text\n{row}\n```\n") == [row]
+    assert aligned_lines_too_wide(f"```text\n{'a log line ' * 20}\n```\n") == []  # it wraps
+    assert aligned_lines_too_wide(f"```python\n{row}\n```\n") == []
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.rglob("*.md")), ids=lambda p: p.relative_to(DOCS).as_posix())
+def test_every_table_in_an_output_block_fits_the_code_column(page):
+    assert aligned_lines_too_wide(page.read_text()) == []
+
+
+def test_output_blocks_wrap_and_the_copy_button_covers_no_text(site_pages):
+    """Output and shell blocks carry their language as a class (``pygments_lang_class``), which the site's CSS
+    wraps; every code block keeps its text clear of the copy button's corner."""
+    css = (DOCS / "stylesheets" / "extra.css").read_text()
+    rules = {selectors.strip(): body for selectors, body in re.findall(r"([^{}]+)\{([^}]*)\}", re.sub(
+        r"/\*.*?\*/", "", css, flags=re.S))}
+    wrapped = next(body for selectors, body in rules.items() if ".language-text pre > code" in selectors)
+    assert "white-space: pre-wrap" in wrapped
+    assert any(".language-bash pre > code" in selectors for selectors in rules)
+    assert "padding-right" in rules[".md-typeset pre > code"]
+    page = site_pages["index.html"]
+    assert '<div class="language-text highlight">' in page and '<div class="language-python highlight">' in page

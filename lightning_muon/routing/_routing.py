@@ -79,9 +79,10 @@ class Routing:
         decided (and effective lr)."""
         return _table.rich_table(self.routes, self.roles_from, effective_lr)
 
-    def plain_table(self, effective_lr: Callable[[Route], float | None] | None = None) -> str:
-        """The table in aligned plain-text columns (what `render` gives without rich)."""
-        return _table.plain_table(self.routes, self.roles_from, effective_lr)
+    def plain_table(self, effective_lr: Callable[[Route], float | None] | None = None, width: int | None = None) -> str:
+        """The table in aligned plain-text columns (what `render` gives without rich); with ``width``, each reason
+        wraps onto more lines so that the rows fit that many columns."""
+        return _table.plain_table(self.routes, self.roles_from, effective_lr, width)
 
     def render(self, effective_lr: Callable[[Route], float | None] | None = None, width: int = 140) -> str:
         """The table as plain text: drawn by rich when it is installed, else `plain_table`."""
