@@ -439,14 +439,17 @@ def python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
-def test_the_readme_names_pages_that_exist():
-    """The README is the newcomer's first screen: each capability a paragraph and its page's path (paths, not
-    links: relative links break on a package index page, tests/test_packaging.py)."""
+def test_the_readme_links_pages_that_exist():
+    """The README is the newcomer's first screen: each capability a paragraph and a relative link to its page,
+    which a Git host makes clickable (tests/test_packaging.py says what a package index page does with them); no
+    page is named as a bare path any more."""
     text = (ROOT / "README.md").read_text()
-    pages = re.findall(r"`(docs/[\w/-]+\.md)`", text)
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    pages = [link for link in links if not link.startswith("http")]
     assert {"docs/guides/mixin.md", "docs/guides/fine-tuning.md", "docs/guides/distributed.md",
-            "docs/troubleshooting.md", "docs/benchmarks.md"} <= set(pages)
+            "docs/troubleshooting.md", "docs/benchmarks.md", "docs/explanations/how-muon-works.md"} <= set(pages)
     assert [page for page in pages if not (ROOT / page).is_file()] == []
+    assert re.findall(r"`(docs/[\w/-]+\.md)`", text) == []
     assert len(text.splitlines()) <= 200
 
 
@@ -491,3 +494,38 @@ def test_output_blocks_wrap_and_the_copy_button_covers_no_text(site_pages):
     assert "padding-right" in rules[".md-typeset pre > code"]
     page = site_pages["index.html"]
     assert '<div class="language-text highlight">' in page and '<div class="language-python highlight">' in page
+
+
+# ------------------------------------------------------------------ links
+
+
+def raw_references(page: str) -> list[str]:
+    """Markdown references a page shows as text (``[Muon][lightning_muon.Muon]``, ``[page][]``) instead of a link:
+    what an unresolved cross-reference looks like; code blocks, which may index with brackets, left out."""
+    article = page[page.find("<article"): page.find("</article>")]
+    text = plain_text(re.sub(r"<pre\b.*?</pre>", "", article, flags=re.S))
+    return re.findall(r"\[[^\[\]\n]{1,120}\]\[(?:[A-Za-z_][\w.-]*)?\]", text)
+
+
+def test_a_raw_reference_is_caught():
+    assert raw_references('<article><p>[<code>Muon</code>][lightning_muon.Muon] and [the page][]</p></article>') == [
+        "[Muon][lightning_muon.Muon]", "[the page][]"]
+    assert raw_references('<article><p><a href="#m"><code>Muon</code></a></p><pre>x[0][i]</pre></article>') == []
+
+
+def test_every_cross_reference_resolves(site_pages):
+    found = {name: raw_references(page) for name, page in site_pages.items() if name.endswith(".html")}
+    assert {name: refs for name, refs in found.items() if refs} == {}
+
+
+def test_pages_link_to_the_next_and_sections_have_index_pages(site_pages):
+    """Previous and next at every page's foot (Material's ``navigation.footer``), and the sections open on their
+    own page (``navigation.indexes``: ``guides/index.md``, ``explanations/index.md``, ``api/index.md``)."""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assert {"navigation.footer", "navigation.indexes"} <= set(config["theme"]["features"])
+    sections = {name: pages for entry in config["nav"] if isinstance(entry, dict) for name, pages in entry.items()}
+    for section, index in [("Guides", "guides/index.md"), ("Explanations", "explanations/index.md"),
+                           ("API reference", "api/index.md")]:
+        assert sections[section][0] == index, section
+    page = site_pages["guides/routing/index.html"]
+    assert all(f'class="md-footer__link md-footer__link--{way}"' in page for way in ("prev", "next"))
