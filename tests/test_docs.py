@@ -7,8 +7,11 @@ as a table."""
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
 import html
 import inspect
+import itertools
 import os
 import re
 import subprocess
@@ -276,6 +279,14 @@ RUN = {
     "lightning_muon.lightning.finetuning.MuonBackboneFinetuning#0": (),
     "lightning_muon.routing._rules.route_parameters#0": (),
     "lightning_muon.optim.newton_schulz.zeropower_via_newtonschulz#1": (),  # #0 is the iteration, a text block
+    "lightning_muon.optim.newton_schulz.orthogonality_error#0": (),
+    "lightning_muon.optim.groups.adjust_lr#0": (),
+    "lightning_muon.optim._update.ParamDiagnostics#0": (),
+    "lightning_muon.routing._routing.Routing#0": (),
+    "lightning_muon.routing._trace.GraphRoles#0": (),
+    "lightning_muon.routing._trace.trace_roles#0": (),
+    "lightning_muon.lightning._named.muon_subclass#0": (),
+    "lightning_muon.lightning.mixin.MuonMixin#0": ("MuonMixin", "MyExistingModule", "functools", "lightning_muon"),
 }
 #: The Python blocks that only parse, and why they cannot run on their own.
 PARSE_ONLY = {
@@ -305,8 +316,21 @@ def test_a_docstring_yaml_block_loads_and_names_real_classes(key):
         assert hasattr(__import__(module, fromlist=[name]), name), path
 
 
+def promised_output(code: str) -> list[str]:
+    """What a block says its top-level ``print`` lines write: the comment after each (``print(x)  # 0.04: why``
+    promises a line that starts with ``0.04``, the comment up to the ``": "`` that starts a why)."""
+    return [line.split("  # ", 1)[1].split(": ", 1)[0]
+            for line in code.splitlines() if line.startswith("print(") and "  # " in line]
+
+
+def test_a_promised_output_is_read_up_to_its_why():
+    assert promised_output('print(x)  # 0.04: a 4:1 matrix\nprint(y)  # [\'a\']\n    print(z)  # no\n') == [
+        "0.04", "['a']"]
+    assert promised_output("print(x)\nprint(y)  # 0.1109: 0.2 sqrt(768) times\n") == ["0.1109"]
+
+
 @pytest.mark.parametrize("key", sorted(RUN))
-def test_a_docstring_example_runs(key, monkeypatch, tmp_path):
+def test_a_docstring_example_runs(key, monkeypatch, tmp_path, capsys):
     import lightning as L
     import torch.nn.functional as F
     from lightning.pytorch.loggers import CSVLogger
@@ -320,12 +344,18 @@ def test_a_docstring_example_runs(key, monkeypatch, tmp_path):
 
     available = {"MuonMonitor": MuonMonitor, "QKClip": QKClip, "WallClock": WallClock, "CSVLogger": CSVLogger,
                  "nn": nn, "F": F, "QKLayout": QKLayout, "QKProjection": QKProjection, "record_qk": record_qk,
-                 "MuonMixin": MuonMixin, "MyExistingModule": MyExistingModule}
+                 "MuonMixin": MuonMixin, "MyExistingModule": MyExistingModule, "functools": functools,
+                 "lightning_muon": lightning_muon}
     monkeypatch.chdir(tmp_path)  # a Trainer or a logger that writes anything writes it here
     namespace = {"L": L, **{name: available[name] for name in RUN[key]}}
-    exec(compile(docstring_blocks()[key][1], key, "exec"), namespace)
+    code = docstring_blocks()[key][1]
+    capsys.readouterr()
+    exec(compile(code, key, "exec"), namespace)
     made = {k: v for k, v in namespace.items() if k not in available and k not in ("L", "__builtins__")}
     assert made, f"{key} defined nothing"
+    printed = iter(capsys.readouterr().out.splitlines())
+    for promise in promised_output(code):  # each, in order, starts a printed line
+        assert any(line.startswith(promise) for line in printed), f"{key} does not print {promise!r}"
 
 
 def documented() -> set[str]:
@@ -529,3 +559,91 @@ def test_pages_link_to_the_next_and_sections_have_index_pages(site_pages):
         assert sections[section][0] == index, section
     page = site_pages["guides/routing/index.html"]
     assert all(f'class="md-footer__link md-footer__link--{way}"' in page for way in ("prev", "next"))
+
+
+# ------------------------------------------------------------------ a complete reference
+
+
+def public_objects() -> dict[str, object]:
+    return {name: getattr(lightning_muon, name) for name in lightning_muon.__all__}
+
+
+@pytest.mark.parametrize("name", lightning_muon.__all__)
+def test_every_public_name_has_an_example(name):
+    """Each name ``lightning_muon`` exports shows how it is used, in an ``Examples:`` section whose block a test
+    runs (`RUN`, or a config that `test_a_docstring_yaml_block_loads_and_names_real_classes` loads)."""
+    doc = inspect.getdoc(public_objects()[name]) or ""
+    assert re.search(r"^Examples:\n", doc, re.M), f"{name} has no Examples section"
+    assert "```" in doc.split("Examples:", 1)[1], f"{name}'s Examples section has no code block"
+
+
+def documented_parameters(obj: object) -> set[str]:
+    """The names an object's docstring documents: its ``Args:`` entries, and for a dataclass or named tuple the
+    fields with a ``#:`` comment (the reference renders those as the fields' docs)."""
+    doc = inspect.getdoc(obj) or ""
+    section = re.search(r"^Args:\n((?:(?: {4}.*)?\n)*)", doc + "\n", re.M)
+    names = set(re.findall(r"^ {4}(\w+)(?: \([^)]*\))?:", section.group(1), re.M)) if section else set()
+    if inspect.isclass(obj):
+        source = inspect.getsource(obj).splitlines()
+        names |= {match.group(1) for above, line in itertools.pairwise(source)
+                  if above.strip().startswith("#:") and (match := re.match(r"\s+(\w+):", line))}
+    return names
+
+
+@pytest.mark.parametrize("name", lightning_muon.__all__)
+def test_every_parameter_of_a_public_name_is_documented(name):
+    obj = public_objects()[name]
+    signature = inspect.signature(obj)
+    parameters = [p for p, spec in signature.parameters.items()
+                  if spec.kind not in (spec.VAR_POSITIONAL, spec.VAR_KEYWORD)]
+    missing = [p for p in parameters if p not in documented_parameters(obj)]
+    assert missing == [], f"{name}: no entry for {missing}"
+
+
+def test_a_missing_parameter_entry_is_caught():
+    def f(a, b):
+        """Does.
+
+        Args:
+            a: the first.
+        """
+
+    assert documented_parameters(f) == {"a"}
+
+
+def package_names() -> set[str]:
+    """The names the package defines at the top level of its modules (classes, functions, constants)."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef | ast.FunctionDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+    return {name for name in names if not name.startswith("_")}
+
+
+def public_parameter_names() -> set[str]:
+    """Every parameter name of the public tiers' callables and their methods (``momentum``, ``parent_lr``): a
+    docstring naming one names an argument, not an object."""
+    names: set[str] = set()
+    for tier in (lightning_muon, lightning_muon.attention, lightning_muon.optim.groups):
+        for obj in (getattr(tier, name) for name in tier.__all__):
+            members = [obj, *(m for _, m in inspect.getmembers(obj, callable))] if inspect.isclass(obj) else [obj]
+            for member in members:
+                with contextlib.suppress(TypeError, ValueError):
+                    names |= set(inspect.signature(member).parameters)
+    return names
+
+
+def test_every_object_a_docstring_names_has_an_entry(api_pages):
+    """A name the reference shows as code (`` `split_state_dict` ``) that is one of the package's own objects has
+    its own entry on an API page; internals are described, not named."""
+    entries = {path.rsplit(".", 1)[-1]
+               for page in api_pages.values() for path in re.findall(r'id="(lightning_muon[\w.]*)"', page)}
+    shown = {html.unescape(code).rsplit(".", 1)[-1]
+             for page in api_pages.values() for code in re.findall(r"<code>([A-Za-z_][\w.]*)</code>", page)}
+    dangling = (shown & package_names()) - entries - public_parameter_names()
+    assert sorted(dangling) == []

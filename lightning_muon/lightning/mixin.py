@@ -73,6 +73,14 @@ class MuonMixin(_LightningModuleBase):
     Its keyword-only arguments are the whole configuration; every other
     argument goes to the wrapped module's constructor.
 
+    Examples:
+        ```python
+        class MyModel(MuonMixin, MyExistingModule):  # yours: its training_step returns the loss
+            pass
+
+        model = MyModel(muon=functools.partial(lightning_muon.Muon, lr=0.02), gradient_clip_val=1.0)
+        ```
+
     Args:
         muon: factory of the Muon optimizer, called with the routed param
             groups (default: `lightning_muon.Muon` with lr 0.02, momentum

@@ -60,6 +60,21 @@ class ParamDiagnostics(NamedTuple):
 
     The tensors are 0-dim float32 on the parameter's device, so reading them
     does not force a device sync until they are used.
+
+    Examples:
+        ```python
+        import torch
+        from lightning_muon import Muon
+
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(64, 32))
+        optimizer = Muon([w], lr=0.02, ns_dtype=torch.float32)
+        w.grad = torch.randn(64, 32)
+        optimizer.record_diagnostics()  # for the next step only
+        optimizer.step()
+        (d,) = optimizer.diagnostics
+        print(d.name, d.shape, f"{d.effective_lr:.4f} {d.orthogonality_error:.2f}")  # params.0 (64, 32) 0.0283 0.38
+        ```
     """
 
     #: The parameter's name (`param_name`: its ``param_names`` entry, else ``<group name>.<index>``).

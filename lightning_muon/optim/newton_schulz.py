@@ -166,7 +166,7 @@ def zeropower_via_newtonschulz(
     Args:
         G: one matrix ``(m, n)`` or a stack ``(..., m, n)``.
         ns_coefficients: ``(a, b, c)`` of the step ``X <- a X + (b A + c A^2) X`` above, or
-            ``"polar_express"`` (a schedule, see `coefficient_schedule`).
+            ``"polar_express"`` (one ``(a, b, c)`` per step, Amsel et al. 2025).
         ns_steps: number of iterations (``0 <= ns_steps < 100``).
         eps: floor of the Frobenius norm used to normalise each matrix.
         dtype: compute dtype; ``torch.bfloat16`` (fast where the hardware has
@@ -264,6 +264,18 @@ def orthogonality_error(O: Tensor) -> Tensor:
     ``||O O^T - I_r||_F / sqrt(r)``. It is 0 for a semi-orthogonal matrix, and
     equals the RMS over the ``r`` singular values ``s`` of ``s^2 - 1``. Returns
     a tensor of shape ``O.shape[:-2]`` in float32 (float64 for float64 input).
+
+    Args:
+        O: one matrix ``(m, n)`` or a stack ``(..., m, n)``, such as an orthogonalised update.
+
+    Examples:
+        ```python
+        import torch
+        from lightning_muon import orthogonality_error
+
+        print(orthogonality_error(torch.eye(4)).item())  # 0.0
+        print(f"{orthogonality_error(2 * torch.eye(4)):.1f}")  # 3.0: every s^2 - 1 is 3
+        ```
     """
     if O.ndim < 2:
         raise ValueError(f"expected a matrix or a stack of matrices (..., m, n), got shape {tuple(O.shape)}")

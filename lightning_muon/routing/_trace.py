@@ -65,6 +65,20 @@ class GraphRoles:
 
     ``heads`` and ``inputs`` are ``None`` where the batch gave no verdict (the loss was not followed, or no
     batch tensor reached a matrix op): those roles then come from the structural rules.
+
+    Examples:
+        `lightning_muon.trace_roles` makes one; `lightning_muon.route_parameters` reads it (``graph=``):
+
+        ```python
+        import torch
+        from torch import nn
+        from lightning_muon import trace_roles
+
+        model = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+        batch = torch.randn(16, 1), torch.randn(16, 2)
+        roles = trace_roles(model, batch, lambda b: nn.functional.mse_loss(model(b[0]), b[1]))
+        print(sorted(roles.inputs), sorted(roles.heads), roles.role("2.weight"))  # ['0.weight'] ['4.weight'] hidden
+        ```
     """
 
     #: Matrices applied by a matrix op during the forward.
@@ -340,6 +354,28 @@ def trace_roles(module: nn.Module, batch: Any, loss_of: Callable[[Any], Any]) ->
     """The roles of ``module``'s matrices from one forward: ``loss_of(batch)`` computes the loss (a tensor).
 
     A pure step: the forward runs once, unchanged, and nothing of ``module`` is modified. Where the forward cannot
-    be followed, the roles hold no verdict (their ``note`` says why) and routing keeps its structural rules."""
+    be followed, the roles hold no verdict (their ``note`` says why) and routing keeps its structural rules.
+
+    Args:
+        module: the model whose parameters are routed.
+        batch: one training batch, as the loss function takes it.
+        loss_of: ``batch -> loss``, calling ``module`` (the forward that is followed).
+
+    Examples:
+        The input layer (``Linear(1, 64)``, as square-ish as any hidden one could be) and the head are found from
+        the computation, whatever their names:
+
+        ```python
+        import torch
+        from torch import nn
+        from lightning_muon import route_parameters, trace_roles
+
+        model = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+        batch = torch.randn(16, 1), torch.randn(16, 2)
+        roles = trace_roles(model, batch, lambda b: nn.functional.mse_loss(model(b[0]), b[1]))
+        routing = route_parameters(model, graph=roles)
+        print(routing.names("Muon"))  # ['2.weight']
+        ```
+    """
     _, roles = trace_step(module, batch, lambda: loss_of(batch), loss_in)
     return roles
