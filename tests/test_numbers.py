@@ -17,6 +17,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+PACKAGE = ROOT / "lightning_muon"
 
 #: (page, the figure as the page quotes it, the results file it comes from).
 FIGURES = [
@@ -70,8 +71,8 @@ FIGURES = [
     ("docs/explanations/how-muon-works.md", "Polar Express in bf16 ended at 1.9511 ± 0.0080", "third_party.md"),
 ]
 #: Statements that were true once, or never, and were quoted after the code, the config or the results file changed:
-#: (the words, matched across line breaks on every page and the README, why they are wrong). Add the old wording
-#: here when a default or a result changes.
+#: (the words, matched across line breaks on every page, the README and the docstrings, why they are wrong). Add the
+#: old wording here when a default or a result changes.
 STALE = [
     ("1.004x", "the monitor's overhead before monitor_overhead.md was measured again (1.035x)"),
     ("val_loss 1.7197", "the main job's line with fp32 Newton-Schulz; bf16 is the default where it is native"),
@@ -80,6 +81,7 @@ STALE = [
     ("bf16, the default of all of them", "lightning_muon.Muon's default dtype follows the hardware"),
     ("33 min wall", "device_check_cpu.md's run on a loaded machine, measured again at 116 s"),
     ("none has been made yet", "the fused-projection split was measured (muon_variants/comparison.md)"),
+    ("no measurement has shown the split", "the same, in route_parameters' docstring (the API page)"),
     ("a few times `1e-3`", "Keller Jordan's AdamW lr is 3e-4 (his muon.py, tests/test_migration.py)"),
     ("torch's and most projects' AdamW", "torch's AdamW default lr is 1e-3, not the mixin's 3e-4"),
     ("given to the model instead of the Trainer", "the Trainer's clipping and accumulation flags work (mixin.md)"),
@@ -122,7 +124,8 @@ def test_a_number_not_in_the_file_is_caught():
 
 @pytest.mark.parametrize(("stale", "why"), STALE, ids=[stale for stale, _ in STALE])
 def test_a_stale_statement_is_on_no_page(stale, why):
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    """Nor in the package's sources, whose docstrings are the API pages."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted(PACKAGE.rglob("*.py"))]
     assert [page.name for page in pages if spaced(stale) in spaced(page.read_text())] == [], why
 
 

@@ -339,8 +339,8 @@ def route_parameters(
     Fused projections (``nn.MultiheadAttention``'s ``in_proj_weight``, GPT-2's ``c_attn``, litgpt's ``qkv``,
     transformers' fused MoE ``gate_up_proj``) are found by module type and shape and named in the reason. With
     ``split_fused`` each of their blocks is orthogonalised and lr-scaled as a separate layer's would be (the
-    Muon group's ``matrix_blocks``); by default they stay one matrix, as before (no measurement has shown the
-    split better yet).
+    Muon group's ``matrix_blocks``); by default they stay one matrix, as before: FSDP2 and tensor parallelism
+    cannot split yet (the split measured better on GPT-style q, k, v: docs/guides/routing.md).
 
     PEFT LoRA's adapters: ``lora_A`` (``r x in``) is a hidden matrix, on Muon; ``lora_B`` (``out x r``) goes to
     AdamW (group ``adapters``), where it trained better in the measured recipe (``benchmarks/finetune.py``).
@@ -355,7 +355,7 @@ def route_parameters(
         model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 256))
         routing = route_parameters(model)
         print(routing.names("Muon"))  # ['1.weight']: the embedding, the norm and the head go to AdamW
-        groups = routing.groups("Muon")  # param groups, for lightning_muon.Muon (and "AdamW" for torch's AdamW)
+        groups = routing.groups("Muon")  # param groups for lightning_muon.Muon ("AdamW": torch's AdamW)
         ```
 
     Raises:
