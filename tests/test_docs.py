@@ -512,6 +512,16 @@ def test_every_table_in_an_output_block_fits_the_code_column(page):
     assert aligned_lines_too_wide(page.read_text()) == []
 
 
+def test_python_on_the_pages_and_in_the_docstrings_fits_the_code_column():
+    """Python does not wrap (a wrapped line reads as two): each line of the pages' blocks and the docstrings'
+    examples fits `COLUMNS`."""
+    blocks = {f"{page.relative_to(DOCS)} #{n}": code for page in sorted(DOCS.rglob("*.md"))
+              for n, code in enumerate(python_blocks(page.read_text()))}
+    blocks |= {key: code for key, (language, code) in docstring_blocks().items() if language == "python"}
+    wide = {key: [line for line in code.splitlines() if len(line) > COLUMNS] for key, code in blocks.items()}
+    assert {key: lines for key, lines in wide.items() if lines} == {}
+
+
 def test_output_blocks_wrap_and_the_copy_button_covers_no_text(site_pages):
     """Output and shell blocks carry their language as a class (``pygments_lang_class``), which the site's CSS
     wraps; every code block keeps its text clear of the copy button's corner."""

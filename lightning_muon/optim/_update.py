@@ -73,7 +73,8 @@ class ParamDiagnostics(NamedTuple):
         optimizer.record_diagnostics()  # for the next step only
         optimizer.step()
         (d,) = optimizer.diagnostics
-        print(d.name, d.shape, f"{d.effective_lr:.4f} {d.orthogonality_error:.2f}")  # params.0 (64, 32) 0.0283 0.38
+        print(d.name, d.shape, f"{d.effective_lr:.4f}")  # params.0 (64, 32) 0.0283
+        print(f"{d.orthogonality_error:.2f}")  # 0.38
         ```
     """
 

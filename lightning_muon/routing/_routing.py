@@ -38,7 +38,7 @@ class Routing:
         muon = Muon(routing.muon_groups, lr=0.02)
         adamw = torch.optim.AdamW(routing.adamw_groups, lr=3e-4)
         print(routing.names("Muon"))  # ['2.weight', '4.weight']
-        print([group["name"] for group in routing.adamw_groups])  # ['embeddings', 'head', 'norms_and_biases']
+        print([g["name"] for g in routing.adamw_groups])  # ['embeddings', 'head', 'norms_and_biases']
         print(routing.plain_table(width=100))  # lightning_muon routing: the table, reasons wrapped
         ```
     """

@@ -352,7 +352,8 @@ def route_parameters(
         from torch import nn
         from lightning_muon import route_parameters
 
-        model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 256))
+        model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 64), nn.LayerNorm(64),
+                              nn.Linear(64, 256))
         routing = route_parameters(model)
         print(routing.names("Muon"))  # ['1.weight']: the embedding, the norm and the head go to AdamW
         groups = routing.groups("Muon")  # param groups for lightning_muon.Muon ("AdamW": torch's AdamW)

@@ -77,7 +77,8 @@ class GraphRoles:
         model = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
         batch = torch.randn(16, 1), torch.randn(16, 2)
         roles = trace_roles(model, batch, lambda b: nn.functional.mse_loss(model(b[0]), b[1]))
-        print(sorted(roles.inputs), sorted(roles.heads), roles.role("2.weight"))  # ['0.weight'] ['4.weight'] hidden
+        print(sorted(roles.inputs), sorted(roles.heads))  # ['0.weight'] ['4.weight']
+        print(roles.role("2.weight"))  # hidden
         ```
     """
 
