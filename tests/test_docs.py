@@ -7,8 +7,11 @@ as a table."""
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
 import html
 import inspect
+import itertools
 import os
 import re
 import subprocess
@@ -70,7 +73,7 @@ def plain_text(fragment: str) -> str:
 def rendered_signature(page: str, path: str) -> str:
     """The signature block under the heading of the object ``path``, as text."""
     heading = page.index(f'id="{path}"')
-    block = re.search(r'<div class="doc-signature[^"]*">(.*?)</div>', page[heading:], re.S)
+    block = re.search(r'<div class="[^"]*doc-signature[^"]*">(.*?)</div>', page[heading:], re.S)
     assert block is not None, f"no signature under {path}"
     return plain_text(block.group(1))
 
@@ -88,7 +91,7 @@ def signature_defaults(signature: str) -> dict[str, str]:
 
 def rendered_defaults(page: str) -> list[str]:
     """Every place a page shows a default: its signatures, and the Default column of its parameter tables."""
-    shown = [plain_text(block) for block in re.findall(r'<div class="doc-signature[^"]*">(.*?)</div>', page, re.S)]
+    shown = [plain_text(block) for block in re.findall(r'<div class="[^"]*doc-signature[^"]*">(.*?)</div>', page, re.S)]
     for table in re.findall(r"<table>(.*?)</table>", page, re.S):
         if "<th>Default</th>" in table:
             for row in re.findall(r"<tr[^>]*>(.*?)</tr>", table, re.S):
@@ -275,6 +278,15 @@ RUN = {
     "lightning_muon.optim.adamw.AdamW#0": (),
     "lightning_muon.lightning.finetuning.MuonBackboneFinetuning#0": (),
     "lightning_muon.routing._rules.route_parameters#0": (),
+    "lightning_muon.optim.newton_schulz.zeropower_via_newtonschulz#1": (),  # #0 is the iteration, a text block
+    "lightning_muon.optim.newton_schulz.orthogonality_error#0": (),
+    "lightning_muon.optim.groups.adjust_lr#0": (),
+    "lightning_muon.optim._bucket.ParamDiagnostics#0": (),
+    "lightning_muon.routing._routing.Routing#0": (),
+    "lightning_muon.routing._trace.GraphRoles#0": (),
+    "lightning_muon.routing._trace.trace_roles#0": (),
+    "lightning_muon.lightning._named.muon_subclass#0": (),
+    "lightning_muon.lightning.mixin.MuonMixin#0": ("MuonMixin", "MyExistingModule", "functools", "lightning_muon"),
 }
 #: The Python blocks that only parse, and why they cannot run on their own.
 PARSE_ONLY = {
@@ -304,8 +316,21 @@ def test_a_docstring_yaml_block_loads_and_names_real_classes(key):
         assert hasattr(__import__(module, fromlist=[name]), name), path
 
 
+def promised_output(code: str) -> list[str]:
+    """What a block says its top-level ``print`` lines write: the comment after each (``print(x)  # 0.04: why``
+    promises a line that starts with ``0.04``, the comment up to the ``": "`` that starts a why)."""
+    return [line.split("  # ", 1)[1].split(": ", 1)[0]
+            for line in code.splitlines() if line.startswith("print(") and "  # " in line]
+
+
+def test_a_promised_output_is_read_up_to_its_why():
+    assert promised_output('print(x)  # 0.04: a 4:1 matrix\nprint(y)  # [\'a\']\n    print(z)  # no\n') == [
+        "0.04", "['a']"]
+    assert promised_output("print(x)\nprint(y)  # 0.1109: 0.2 sqrt(768) times\n") == ["0.1109"]
+
+
 @pytest.mark.parametrize("key", sorted(RUN))
-def test_a_docstring_example_runs(key, monkeypatch, tmp_path):
+def test_a_docstring_example_runs(key, monkeypatch, tmp_path, capsys):
     import lightning as L
     import torch.nn.functional as F
     from lightning.pytorch.loggers import CSVLogger
@@ -319,12 +344,18 @@ def test_a_docstring_example_runs(key, monkeypatch, tmp_path):
 
     available = {"MuonMonitor": MuonMonitor, "QKClip": QKClip, "WallClock": WallClock, "CSVLogger": CSVLogger,
                  "nn": nn, "F": F, "QKLayout": QKLayout, "QKProjection": QKProjection, "record_qk": record_qk,
-                 "MuonMixin": MuonMixin, "MyExistingModule": MyExistingModule}
+                 "MuonMixin": MuonMixin, "MyExistingModule": MyExistingModule, "functools": functools,
+                 "lightning_muon": lightning_muon}
     monkeypatch.chdir(tmp_path)  # a Trainer or a logger that writes anything writes it here
     namespace = {"L": L, **{name: available[name] for name in RUN[key]}}
-    exec(compile(docstring_blocks()[key][1], key, "exec"), namespace)
+    code = docstring_blocks()[key][1]
+    capsys.readouterr()
+    exec(compile(code, key, "exec"), namespace)
     made = {k: v for k, v in namespace.items() if k not in available and k not in ("L", "__builtins__")}
     assert made, f"{key} defined nothing"
+    printed = iter(capsys.readouterr().out.splitlines())
+    for promise in promised_output(code):  # each, in order, starts a printed line
+        assert any(line.startswith(promise) for line in printed), f"{key} does not print {promise!r}"
 
 
 def documented() -> set[str]:
@@ -439,12 +470,191 @@ def python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, re.S)
 
 
-def test_the_readme_names_pages_that_exist():
-    """The README is the newcomer's first screen: each capability a paragraph and its page's path (paths, not
-    links: relative links break on a package index page, tests/test_packaging.py)."""
+def test_the_readme_links_pages_that_exist():
+    """The README is the newcomer's first screen: each capability a paragraph and a relative link to its page,
+    which a Git host makes clickable (tests/test_packaging.py says what a package index page does with them); no
+    page is named as a bare path any more."""
     text = (ROOT / "README.md").read_text()
-    pages = re.findall(r"`(docs/[\w/-]+\.md)`", text)
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    pages = [link for link in links if not link.startswith("http")]
     assert {"docs/guides/mixin.md", "docs/guides/fine-tuning.md", "docs/guides/distributed.md",
-            "docs/troubleshooting.md", "docs/benchmarks.md"} <= set(pages)
+            "docs/troubleshooting.md", "docs/benchmarks.md", "docs/explanations/how-muon-works.md"} <= set(pages)
     assert [page for page in pages if not (ROOT / page).is_file()] == []
+    assert re.findall(r"`(docs/[\w/-]+\.md)`", text) == []
     assert len(text.splitlines()) <= 200
+
+
+# ------------------------------------------------------------------ output readable on screen
+
+#: How many columns a code block shows at 1400 px with both sidebars (docs/stylesheets/extra.css, measured with a
+#: headless browser): an aligned line of output (a table's row) must fit; other output lines wrap on screen.
+COLUMNS = 100
+
+
+def aligned_lines_too_wide(text: str) -> list[str]:
+    """The lines of a page's output blocks (```text) wider than `COLUMNS` that are aligned in columns (two spaces
+    between words, or a box drawn by rich): the CSS wraps a long line, and a wrapped table row falls apart."""
+    found = []
+    for block in re.findall(r"```text\n(.*?)```", text, re.S):
+        found += [line for line in block.splitlines()
+                  if len(line) > COLUMNS and re.search(r"\S {2,}\S|[│┃─━]", line)]
+    return found
+
+
+def test_a_wide_table_row_in_an_output_block_is_caught():
+    row = "name" + " " * 60 + "AdamW" + " " * 40 + "rule"
+    assert aligned_lines_too_wide(f"```text\n{row}\n```\n") == [row]
+    assert aligned_lines_too_wide(f"```text\n{'a log line ' * 20}\n```\n") == []  # it wraps
+    assert aligned_lines_too_wide(f"```python\n{row}\n```\n") == []
+
+
+@pytest.mark.parametrize("page", sorted(DOCS.rglob("*.md")), ids=lambda p: p.relative_to(DOCS).as_posix())
+def test_every_table_in_an_output_block_fits_the_code_column(page):
+    assert aligned_lines_too_wide(page.read_text()) == []
+
+
+def test_python_on_the_pages_and_in_the_docstrings_fits_the_code_column():
+    """Python does not wrap (a wrapped line reads as two): each line of the pages' blocks and the docstrings'
+    examples fits `COLUMNS`."""
+    blocks = {f"{page.relative_to(DOCS)} #{n}": code for page in sorted(DOCS.rglob("*.md"))
+              for n, code in enumerate(python_blocks(page.read_text()))}
+    blocks |= {key: code for key, (language, code) in docstring_blocks().items() if language == "python"}
+    wide = {key: [line for line in code.splitlines() if len(line) > COLUMNS] for key, code in blocks.items()}
+    assert {key: lines for key, lines in wide.items() if lines} == {}
+
+
+def test_output_blocks_wrap_and_the_copy_button_covers_no_text(site_pages):
+    """Output and shell blocks carry their language as a class (``pygments_lang_class``), which the site's CSS
+    wraps; every code block keeps its text clear of the copy button's corner."""
+    css = (DOCS / "stylesheets" / "extra.css").read_text()
+    rules = {selectors.strip(): body for selectors, body in re.findall(r"([^{}]+)\{([^}]*)\}", re.sub(
+        r"/\*.*?\*/", "", css, flags=re.S))}
+    wrapped = next(body for selectors, body in rules.items() if ".language-text pre > code" in selectors)
+    assert "white-space: pre-wrap" in wrapped
+    assert any(".language-bash pre > code" in selectors for selectors in rules)
+    assert "padding-right" in rules[".md-typeset pre > code"]
+    page = site_pages["index.html"]
+    assert '<div class="language-text highlight">' in page and '<div class="language-python highlight">' in page
+
+
+# ------------------------------------------------------------------ links
+
+
+def raw_references(page: str) -> list[str]:
+    """Markdown references a page shows as text (``[Muon][lightning_muon.Muon]``, ``[page][]``) instead of a link:
+    what an unresolved cross-reference looks like; code blocks, which may index with brackets, left out."""
+    article = page[page.find("<article"): page.find("</article>")]
+    text = plain_text(re.sub(r"<pre\b.*?</pre>", "", article, flags=re.S))
+    return re.findall(r"\[[^\[\]\n]{1,120}\]\[(?:[A-Za-z_][\w.-]*)?\]", text)
+
+
+def test_a_raw_reference_is_caught():
+    assert raw_references('<article><p>[<code>Muon</code>][lightning_muon.Muon] and [the page][]</p></article>') == [
+        "[Muon][lightning_muon.Muon]", "[the page][]"]
+    assert raw_references('<article><p><a href="#m"><code>Muon</code></a></p><pre>x[0][i]</pre></article>') == []
+
+
+def test_every_cross_reference_resolves(site_pages):
+    found = {name: raw_references(page) for name, page in site_pages.items() if name.endswith(".html")}
+    assert {name: refs for name, refs in found.items() if refs} == {}
+
+
+def test_pages_link_to_the_next_and_sections_have_index_pages(site_pages):
+    """Previous and next at every page's foot (Material's ``navigation.footer``), and the sections open on their
+    own page (``navigation.indexes``: ``guides/index.md``, ``explanations/index.md``, ``api/index.md``)."""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assert {"navigation.footer", "navigation.indexes"} <= set(config["theme"]["features"])
+    sections = {name: pages for entry in config["nav"] if isinstance(entry, dict) for name, pages in entry.items()}
+    for section, index in [("Guides", "guides/index.md"), ("Explanations", "explanations/index.md"),
+                           ("API reference", "api/index.md")]:
+        assert sections[section][0] == index, section
+    page = site_pages["guides/routing/index.html"]
+    assert all(f'class="md-footer__link md-footer__link--{way}"' in page for way in ("prev", "next"))
+
+
+# ------------------------------------------------------------------ a complete reference
+
+
+def public_objects() -> dict[str, object]:
+    return {name: getattr(lightning_muon, name) for name in lightning_muon.__all__}
+
+
+@pytest.mark.parametrize("name", lightning_muon.__all__)
+def test_every_public_name_has_an_example(name):
+    """Each name ``lightning_muon`` exports shows how it is used, in an ``Examples:`` section whose block a test
+    runs (`RUN`, or a config that `test_a_docstring_yaml_block_loads_and_names_real_classes` loads)."""
+    doc = inspect.getdoc(public_objects()[name]) or ""
+    assert re.search(r"^Examples:\n", doc, re.M), f"{name} has no Examples section"
+    assert "```" in doc.split("Examples:", 1)[1], f"{name}'s Examples section has no code block"
+
+
+def documented_parameters(obj: object) -> set[str]:
+    """The names an object's docstring documents: its ``Args:`` entries, and for a dataclass or named tuple the
+    fields with a ``#:`` comment (the reference renders those as the fields' docs)."""
+    doc = inspect.getdoc(obj) or ""
+    section = re.search(r"^Args:\n((?:(?: {4}.*)?\n)*)", doc + "\n", re.M)
+    names = set(re.findall(r"^ {4}(\w+)(?: \([^)]*\))?:", section.group(1), re.M)) if section else set()
+    if inspect.isclass(obj):
+        source = inspect.getsource(obj).splitlines()
+        names |= {match.group(1) for above, line in itertools.pairwise(source)
+                  if above.strip().startswith("#:") and (match := re.match(r"\s+(\w+):", line))}
+    return names
+
+
+@pytest.mark.parametrize("name", lightning_muon.__all__)
+def test_every_parameter_of_a_public_name_is_documented(name):
+    obj = public_objects()[name]
+    signature = inspect.signature(obj)
+    parameters = [p for p, spec in signature.parameters.items()
+                  if spec.kind not in (spec.VAR_POSITIONAL, spec.VAR_KEYWORD)]
+    missing = [p for p in parameters if p not in documented_parameters(obj)]
+    assert missing == [], f"{name}: no entry for {missing}"
+
+
+def test_a_missing_parameter_entry_is_caught():
+    def f(a, b):
+        """Does.
+
+        Args:
+            a: the first.
+        """
+
+    assert documented_parameters(f) == {"a"}
+
+
+def package_names() -> set[str]:
+    """The names the package defines at the top level of its modules (classes, functions, constants)."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef | ast.FunctionDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names.add(node.target.id)
+    return {name for name in names if not name.startswith("_")}
+
+
+def public_parameter_names() -> set[str]:
+    """Every parameter name of the public tiers' callables and their methods (``momentum``, ``parent_lr``): a
+    docstring naming one names an argument, not an object."""
+    names: set[str] = set()
+    for tier in (lightning_muon, lightning_muon.attention, lightning_muon.optim.groups):
+        for obj in (getattr(tier, name) for name in tier.__all__):
+            members = [obj, *(m for _, m in inspect.getmembers(obj, callable))] if inspect.isclass(obj) else [obj]
+            for member in members:
+                with contextlib.suppress(TypeError, ValueError):
+                    names |= set(inspect.signature(member).parameters)
+    return names
+
+
+def test_every_object_a_docstring_names_has_an_entry(api_pages):
+    """A name the reference shows as code (`` `split_state_dict` ``) that is one of the package's own objects has
+    its own entry on an API page; internals are described, not named."""
+    entries = {path.rsplit(".", 1)[-1]
+               for page in api_pages.values() for path in re.findall(r'id="(lightning_muon[\w.]*)"', page)}
+    shown = {html.unescape(code).rsplit(".", 1)[-1]
+             for page in api_pages.values() for code in re.findall(r"<code>([A-Za-z_][\w.]*)</code>", page)}
+    dangling = (shown & package_names()) - entries - public_parameter_names()
+    assert sorted(dangling) == [], sorted(dangling)

@@ -1,17 +1,23 @@
 """One source for every number: each benchmark figure the README and the docs quote is checked against the file in
 ``benchmarks/results/`` it was measured in (every number of the quote is a number of that file, rounded as
-quoted), and figures that went stale stay gone."""
+quoted), every default a page states is the code's or the shipped config's (read from them), and statements that
+went stale stay gone."""
 
 from __future__ import annotations
 
+import inspect
+import math
 import re
 from decimal import ROUND_HALF_EVEN, ROUND_HALF_UP, Decimal
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+PACKAGE = ROOT / "lightning_muon"
 
 #: (page, the figure as the page quotes it, the results file it comes from).
 FIGURES = [
@@ -56,9 +62,36 @@ FIGURES = [
      "before) 0.0840 ± 0.0372, on AdamW 0.0910 ± 0.0290", "torch_layers.md"),
     ("docs/guides/routing.md", "split per gate 1.6169 ± 0.0129 against fused 1.6380 ± 0.0018, lower on both seeds "
      "(-0.0290, -0.0133)", "torch_layers.md"),
+    ("docs/benchmarks.md", "116 s wall at a load average of 1.0-1.8", "device_check_cpu.md"),
+    ("docs/explanations/how-muon-works.md", "(0.0001 to 0.6080 after the scaling)", "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md", "lie in the band 0.68..1.13", "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md", "lifts it only to 0.0493 (0.1029 in bf16)", "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md", "It is 0.362 for this\n  update and 0.383 for a Gaussian",
+     "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md", "127 of 128 in the band, error 0.192", "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md", "differs from float32's by 0.0277", "newton_schulz_spectrum.md"),
+    ("docs/explanations/how-muon-works.md",
+     "bf16 Newton-Schulz ended at 1.9733 ± 0.0039 and float32 at 1.9526 ± 0.0118", "third_party.md"),
+    ("docs/explanations/how-muon-works.md", "Polar Express in bf16 ended at 1.9511 ± 0.0080", "third_party.md"),
 ]
-#: Figures that were quoted after their results file changed: on no page again.
-STALE = ["1.004x", "val_loss 1.7197"]  # the main job's line with fp32 Newton-Schulz (bf16 is the default here now)
+#: Statements that were true once, or never, and were quoted after the code, the config or the results file changed:
+#: (the words, matched across line breaks on every page, the README and the docstrings, why they are wrong). Add the
+#: old wording here when a default or a result changes.
+STALE = [
+    ("1.004x", "the monitor's overhead before monitor_overhead.md was measured again (1.035x)"),
+    ("val_loss 1.7197", "the main job's line with fp32 Newton-Schulz; bf16 is the default where it is native"),
+    ("ns_dtype: float32", "no shipped config sets ns_dtype: the hardware decides (configs/gpt_muon.yaml)"),
+    ("orthogonalises in bf16 by default", "ns_dtype=None: bf16 where native, float32 where emulated"),
+    ("bf16, the default of all of them", "lightning_muon.Muon's default dtype follows the hardware"),
+    ("33 min wall", "device_check_cpu.md's run on a loaded machine, measured again at 116 s"),
+    ("none has been made yet", "the fused-projection split was measured (muon_variants/comparison.md)"),
+    ("no measurement has shown the split", "the same, in route_parameters' docstring (the API page)"),
+    ("a few times `1e-3`", "Keller Jordan's AdamW lr is 3e-4 (his muon.py, tests/test_migration.py)"),
+    ("torch's and most projects' AdamW", "torch's AdamW default lr is 1e-3, not the mixin's 3e-4"),
+    ("given to the model instead of the Trainer", "the Trainer's clipping and accumulation flags work (mixin.md)"),
+    ("no GPU has been lent to this project", "the development set-up's words, not the user's"),
+    ("the issue allows", "the development set-up's words, not the user's"),
+]
 
 
 def numbers(text: str) -> list[str]:
@@ -93,7 +126,198 @@ def test_a_number_not_in_the_file_is_caught():
     assert not measured("1.004", "ratio 1.035") and not measured("1.72", "1.7140")
 
 
-@pytest.mark.parametrize("stale", STALE)
-def test_a_stale_figure_is_on_no_page(stale):
-    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    assert [page.name for page in pages if stale in page.read_text()] == []
+@pytest.mark.parametrize(("stale", "why"), STALE, ids=[stale for stale, _ in STALE])
+def test_a_stale_statement_is_on_no_page(stale, why):
+    """Nor in the package's sources, whose docstrings are the API pages."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted(PACKAGE.rglob("*.py"))]
+    assert [page.name for page in pages if spaced(stale) in spaced(page.read_text())] == [], why
+
+
+# ------------------------------------------------------------------ the defaults the pages state, read from the code
+
+
+def spelled(value: Any) -> str:
+    """A default as the pages write it: ``0.0003`` as ``3e-4``, ``1e-08`` as ``1e-8``, ``0.95`` as ``0.95``, ``3.0`` as
+    ``3``, ``[0.9, 0.95]`` as ``(0.9, 0.95)``, ``None`` as ``None``."""
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(spelled(v) for v in value) + ")"
+    if isinstance(value, float) and 0 < abs(value) < 1e-2:
+        mantissa, exponent = f"{value:.0e}".split("e")
+        return f"{mantissa}e{int(exponent)}"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+class Defaults:
+    """One object's defaults, each attribute spelled as the pages write it (`spelled`), for ``str.format``."""
+
+    def __init__(self, values: dict[str, Any]):
+        self.values = values
+
+    def __getattr__(self, name: str) -> str:
+        return spelled(self.__dict__["values"][name])
+
+
+def keyword_defaults(function: Any) -> dict[str, Any]:
+    return {name: parameter.default for name, parameter in inspect.signature(function).parameters.items()
+            if parameter.default is not inspect.Parameter.empty}
+
+
+def mib(nbytes: int) -> str:
+    return f"{nbytes // 2**20} MiB"
+
+
+def code_defaults() -> dict[str, Any]:
+    """What the code and the shipped configs say, by the names the `DEFAULTS` templates use."""
+    import lightning as L
+    import torch
+
+    from lightning_muon import Muon, MuonMixin, MuonWithAdamW
+    from lightning_muon.optim import groups
+
+    mixin = keyword_defaults(MuonMixin.__init__)
+    config = yaml.safe_load((ROOT / "configs" / "gpt_muon.yaml").read_text())["model"]["init_args"]
+    return {
+        "Muon": Defaults(keyword_defaults(Muon.__init__)),
+        "torch_Muon": Defaults(keyword_defaults(torch.optim.Muon.__init__)),
+        "torch_AdamW": Defaults(keyword_defaults(torch.optim.AdamW.__init__)),
+        "MuonWithAdamW": Defaults(keyword_defaults(MuonWithAdamW.__init__)),
+        "mixin": Defaults(mixin),
+        "mixin_muon": Defaults(mixin["muon"]["init_args"]),
+        "mixin_adamw": Defaults(mixin["adamw"]["init_args"]),
+        "config_muon": Defaults(config["muon"]["init_args"]),
+        "config_adamw": Defaults(config["adamw"]["init_args"]),
+        "trainer": Defaults({"log_every_n_steps": L.Trainer(logger=False, enable_checkpointing=False,
+                                                          enable_progress_bar=False).log_every_n_steps}),
+        "batch_bytes": Defaults({"cpu": mib(groups.DEFAULT_BATCH_BYTES["cpu"]),
+                                 "accelerator": mib(groups.DEFAULT_BATCH_BYTES_ACCELERATOR)}),
+    }
+
+
+#: (page, a sentence that states a default, with the default as a ``{object.argument}`` field filled in from the code
+#: by `code_defaults`): a default that changes in the code, or on the page alone, fails here. The same sentence twice
+#: where it speaks for two objects (the mixin and ``MuonWithAdamW``; ``lightning_muon.Muon`` and torch's).
+DEFAULTS = [
+    ("docs/index.md", "the lrs are the mixin's defaults, Muon {mixin_muon.lr} and AdamW {mixin_adamw.lr}"),
+    ("docs/index.md", "every `log_every_n_steps` ({trainer.log_every_n_steps} by default)"),
+    ("docs/troubleshooting.md", "Muon's lr ({mixin_muon.lr} by default)"),
+    ("docs/troubleshooting.md", "Muon: {mixin_muon.lr} (the default, with"),
+    ("docs/troubleshooting.md",
+     "the mixin's default is {mixin_adamw.lr}, Keller Jordan's (torch's AdamW default is {torch_AdamW.lr})"),
+    ("docs/troubleshooting.md", "the shipped configs, tuned on small models, use {config_adamw.lr}"),
+    ("docs/troubleshooting.md", "`max_consecutive_skips` of them in a row (default {mixin.max_consecutive_skips})"),
+    ("docs/guides/optimizer.md", "at Keller Jordan's settings (lr {mixin_muon.lr}, weight decay "
+     "{mixin_muon.weight_decay}, momentum {mixin_muon.momentum})"),
+    ("docs/guides/optimizer.md", "at Keller Jordan's settings (lr {MuonWithAdamW.lr}, weight decay "
+     "{MuonWithAdamW.weight_decay}, momentum {MuonWithAdamW.momentum})"),
+    ("docs/guides/optimizer.md", "it starts from torch's defaults (lr {Muon.lr}, weight decay {Muon.weight_decay})"),
+    ("docs/guides/optimizer.md",
+     "it starts from torch's defaults (lr {torch_Muon.lr}, weight decay {torch_Muon.weight_decay})"),
+    ("docs/guides/optimizer.md",
+     "(`ns_batch_bytes`, default {batch_bytes.cpu} on CPU, {batch_bytes.accelerator} on accelerators;"),
+    ("docs/guides/optimizer.md", "| `{Muon.adjust_lr_fn}` or `\"original\"` (the default) |"),
+    ("docs/guides/optimizer.md", "with no `ns_dtype` (the default, `{Muon.ns_dtype}`)"),
+    ("docs/guides/optimizer.md", "at least `ns_gram_aspect={Muon.ns_gram_aspect}` times longer than wide"),
+    ("docs/guides/optimizer.md", "the pair's AdamW weight decay is {mixin_adamw.weight_decay} by default"),
+    ("docs/guides/optimizer.md", "the pair's AdamW weight decay is {MuonWithAdamW.adamw_weight_decay} by default"),
+    ("docs/guides/one-optimizer.md",
+     "The defaults are the mixin's (Muon `lr={MuonWithAdamW.lr}`, AdamW `adamw_lr={MuonWithAdamW.adamw_lr}`)"),
+    ("docs/guides/one-optimizer.md",
+     "The defaults are the mixin's (Muon `lr={mixin_muon.lr}`, AdamW `adamw_lr={mixin_adamw.lr}`)"),
+    ("docs/guides/migration.md", "Muon's weight decay is {MuonWithAdamW.weight_decay} (his 0) and AdamW's `eps` is "
+     "torch's {MuonWithAdamW.adamw_eps} (his 1e-10)"),
+    ("docs/guides/migration.md", "AdamW's `eps` is torch's {torch_AdamW.eps}"),
+    ("docs/guides/worth-it.md", "Muon `lr={mixin_muon.lr}, momentum={mixin_muon.momentum}` (Nesterov) on the hidden "
+     "matrices, AdamW at `lr={mixin_adamw.lr}, betas={mixin_adamw.betas}` on the rest"),
+    ("docs/guides/worth-it.md", "(Nesterov) on the hidden matrices, AdamW at `lr={MuonWithAdamW.adamw_lr}, "
+     "betas={MuonWithAdamW.adamw_betas}` on the rest"),
+    ("docs/guides/worth-it.md", "below torch's AdamW default of `{torch_AdamW.lr}`"),
+    ("docs/guides/worth-it.md", "the shipped configs use `{config_adamw.lr}` for AdamW"),
+    ("docs/guides/distributed.md", "With `split_ns={Muon.split_ns}` (the default)"),
+]
+
+
+@pytest.mark.parametrize(("page", "template"), DEFAULTS, ids=lambda value: str(value)[:50])
+def test_a_stated_default_is_the_code_s(page, template):
+    sentence = template.format(**code_defaults())
+    assert spaced(sentence) in spaced((ROOT / page).read_text()), f"{page} does not say {sentence!r}"
+
+
+def test_a_default_is_spelled_as_the_pages_write_it():
+    assert [spelled(v) for v in (3e-4, 1e-8, 1e-3, 0.003, 0.02, 0.95, 0.1, 0.0, 3.0, [0.9, 0.95], None, True, 5)] == [
+        "3e-4", "1e-8", "1e-3", "3e-3", "0.02", "0.95", "0.1", "0", "3", "(0.9, 0.95)", "None", "True", "5"]
+    stale = ("docs/guides/optimizer.md", DEFAULTS[9][1].replace("{Muon.lr}", "0.02"))
+    assert spaced(stale[1].format(**code_defaults())) not in spaced((ROOT / stale[0]).read_text())
+
+
+def test_the_options_said_off_by_default_are_off():
+    """The optimizer guide: NorMuon and cautious weight decay "are off by default"; the routing guide: a fused
+    projection "stays one matrix" by default; the shipped configs set no ``ns_dtype`` (the hardware decides)."""
+    from lightning_muon import Muon, MuonMixin, MuonWithAdamW
+
+    assert "Both are off by default" in (ROOT / "docs/guides/optimizer.md").read_text()
+    for function in (Muon.__init__, MuonWithAdamW.__init__):
+        assert keyword_defaults(function)["normuon_beta2"] is None
+        assert keyword_defaults(function)["cautious_weight_decay"] is False
+    assert "By default it stays one matrix" in spaced((ROOT / "docs/guides/routing.md").read_text())
+    assert keyword_defaults(MuonMixin.__init__)["split_fused"] is False
+    assert keyword_defaults(MuonWithAdamW.__init__)["split_fused"] is False
+    configs = {path.name: yaml.safe_load(path.read_text()) for path in (ROOT / "configs").glob("*.yaml")}
+    assert [name for name, config in configs.items() if "'ns_dtype'" in repr(config)] == []
+
+
+def lr_scaling_rows(page: str) -> dict[str, str]:
+    """An lr-scaling table's rows: each ``adjust_lr_fn`` value the first column names -> the scale formula."""
+    rows = {}
+    for line in (ROOT / page).read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        spans = [re.match(r"`?([^`]*)", cell).group(1) for cell in cells[1:]]  # a cell's first code span
+        formula = next((span for span in spans if "sqrt" in span or span == "1"), None)
+        if formula is None:
+            continue
+        for name in re.findall(r'adjust_lr_fn=?"?(\w+)"|`"(\w+)"`|`(None)`', line):
+            rows["".join(name)] = formula
+    return rows
+
+
+@pytest.mark.parametrize("page", ["docs/guides/optimizer.md", "docs/guides/migration.md",
+                                  "docs/explanations/how-muon-works.md"])
+def test_the_lr_scaling_tables_are_adjust_lr(page):
+    """Each row of a page's lr-scaling table, evaluated at several shapes, is what `adjust_lr` computes."""
+    from lightning_muon import adjust_lr
+
+    rows = lr_scaling_rows(page)
+    assert {"original", "match_rms_adamw", "spectral", "none"} <= set(rows), rows
+    for name, formula in rows.items():
+        python = re.sub(r"(\d) (sqrt)", r"\1 * \2", formula)
+        for shape in [(64, 16), (16, 64), (32, 32), (768, 3072)]:
+            expected = eval(python, {"sqrt": math.sqrt, "max": max, "A": shape[0], "B": shape[1]})
+            assert adjust_lr(1.0, None if name == "None" else name, shape) == pytest.approx(expected), (name, shape)
+
+
+def test_the_ns_dtype_rule_the_optimizer_guide_states(monkeypatch):
+    """The rule as the guide words it: CUDA from compute capability 8.0 on, CPUs with AVX512-BF16 or AMX, float32
+    elsewhere; and the INFO line it quotes for an AVX2 CPU is the line the code writes."""
+    import torch
+
+    from lightning_muon.optim import _precision
+
+    page = spaced((ROOT / "docs/guides/optimizer.md").read_text())
+    assert "(CUDA compute capability 8.0 or later; the CPU's AVX512-BF16 or AMX" in page
+    assert "bf16 where native, float32 otherwise" in page
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "a GPU")
+    for capability, native in [((7, 0), False), ((8, 0), True), ((9, 0), True)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        assert _precision.native_bf16(torch.device("cuda", 0))[0] is native, capability
+    for amx, avx512_bf16, native in [(True, False, True), (False, True, True), (False, False, False)]:
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        assert _precision.native_bf16(torch.device("cpu"))[0] is native
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    native, reason = _precision.native_bf16(torch.device("cpu"))
+    line = _precision.Precision(torch.bfloat16 if native else torch.float32, "cpu", reason).line()
+    assert f"```text\n{line}\n```" in (ROOT / "docs/guides/optimizer.md").read_text()

@@ -43,36 +43,16 @@ _NO_ALGORITHM = (
 
 
 class MuonWithAdamW(Optimizer):
-    """Muon on the hidden matrices and AdamW on everything else, as one optimizer.
+    """Muon on the hidden matrices and AdamW on everything else, as one optimizer, for code that takes one
+    (automatic optimization, transformers' ``Trainer(optimizers=...)``).
 
-    Each param group carries ``algorithm``: ``"muon"`` groups take `lightning_muon.Muon`'s settings
-    (``lr``, ``momentum``, ``weight_decay``, ``ns_steps``, ...), ``"adamw"`` groups ``torch.optim.AdamW``'s
-    (``lr``, ``betas``, ``eps``, ``weight_decay``, ...). A group's own values win over the constructor's;
-    other keys (``name``, ``param_names``) are kept. The constructor's Muon arguments are `Muon`'s, with its
-    names; AdamW's carry an ``adamw_`` prefix (``adamw_lr``), except ``foreach`` and ``fused``, which only
-    AdamW has. The defaults are `lightning_muon.MuonMixin`'s, from one table (`lightning_muon.optim.defaults`:
-    Muon ``lr=0.02, momentum=0.95, weight_decay=0.01``; AdamW ``lr=3e-4, betas=(0.9, 0.95), weight_decay=0``).
-
-    Inside, a `Muon` and a `lightning_muon.optim.AdamW` (``torch.optim.AdamW`` with cautious weight decay as an
-    option) share this optimizer's param-group dicts and ``state``
-    (`muon` and `adamw` return them: ``opt.muon.record_diagnostics()``, ``opt.muon.effective_lr(p)``).
-
-    The keyword arguments ``lr``, ``weight_decay``, ``momentum``, ``nesterov``, ``ns_coefficients``, ``eps``,
-    ``ns_steps``, ``adjust_lr_fn``, ``ns_dtype``, ``ns_batch_bytes``, ``ns_gram_aspect``, ``split_ns``,
-    ``process_group``, ``device_mesh``, ``exchange_round_bytes``,
-    ``normuon_beta2`` (NorMuon) and ``cautious_weight_decay`` are the Muon groups' settings and `Muon`'s own
-    (see `lightning_muon.Muon`); ``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``,
-    ``adamw_amsgrad``, ``adamw_cautious_weight_decay``, ``foreach`` and ``fused`` the AdamW groups'
-    (``torch.optim.AdamW``'s ``lr``, ``betas``, ``eps``, ``weight_decay``, ``amsgrad``, ``foreach``, ``fused``,
-    and `lightning_muon.optim.AdamW`'s ``cautious_weight_decay``, off by default: then it is torch's AdamW);
-    ``muon_params``, ``adamw_params``, ``split_fused`` and ``matrix_blocks`` are routing settings (only with a
-    model: see `lightning_muon.route_parameters`; ``split_fused=True`` orthogonalises each block of a fused
-    projection on its own).
+    Each param group carries ``algorithm``: ``"muon"`` groups take `lightning_muon.Muon`'s settings, ``"adamw"``
+    groups ``torch.optim.AdamW``'s. A group's own values win over the constructor's; other keys (``name``,
+    ``param_names``) are kept. The defaults are `lightning_muon.MuonMixin`'s, from one table
+    (`lightning_muon.optim.defaults`). Inside, a `Muon` and a `lightning_muon.optim.AdamW` share this
+    optimizer's param-group dicts and ``state`` (`muon` and `adamw` return them: ``opt.muon.effective_lr(p)``).
 
     Examples:
-        One optimizer over the whole model, routed, for code that takes one (automatic optimization,
-        transformers' ``Trainer(optimizers=...)``):
-
         ```python
         import torch
         from torch import nn
@@ -83,14 +63,42 @@ class MuonWithAdamW(Optimizer):
         x = torch.randn(32, 16)
         (model(x) - x.sum(1, keepdim=True)).pow(2).mean().backward()
         optimizer.step()
-        print(optimizer.routing.names("Muon"))  # ['2.weight']
+        print(optimizer.routing.names("Muon"))  # ['0.weight', '2.weight']: the head (4) and biases on AdamW
         ```
 
     Args:
-        params: the model (an ``nn.Module``: routed by `lightning_muon.route_parameters`, the groups named as
-            its table), a `lightning_muon.Routing`, or param groups each with ``algorithm`` (their ``params``
-            tensors or ``(name, tensor)`` pairs, as ``model.named_parameters()`` gives). A bare list of
-            parameters is refused: it does not say which are hidden matrices.
+        params: the model (an ``nn.Module``, routed by `lightning_muon.route_parameters`), a
+            `lightning_muon.Routing`, or param groups each with ``algorithm`` (their ``params`` tensors or
+            ``(name, tensor)`` pairs). A bare list of parameters is refused: it does not say which are matrices.
+        lr: Muon's learning rate (before the shape scaling of ``adjust_lr_fn``).
+        weight_decay: Muon's decoupled weight decay, applied with the unscaled lr.
+        momentum: Muon's momentum factor, in ``[0, 1)``.
+        nesterov: Nesterov momentum for Muon.
+        ns_coefficients: the Newton-Schulz ``(a, b, c)``, or ``"polar_express"``.
+        eps: floor of the norm that scales each matrix before Newton-Schulz.
+        ns_steps: Newton-Schulz iterations (at least 1).
+        adjust_lr_fn: Muon's lr scaling by shape (`lightning_muon.adjust_lr`; ``None`` is ``"original"``).
+        adamw_lr: AdamW's learning rate.
+        adamw_betas: AdamW's ``betas``.
+        adamw_eps: AdamW's ``eps``.
+        adamw_weight_decay: AdamW's decoupled weight decay.
+        adamw_amsgrad: AdamW's AMSGrad variant.
+        adamw_cautious_weight_decay: AdamW decays an entry only where its update moves it toward zero.
+        foreach: AdamW's ``foreach`` (torch's choice when ``None``).
+        fused: AdamW's ``fused`` (torch's choice when ``None``).
+        ns_dtype: Newton-Schulz's dtype; ``None``: bf16 where the device computes it natively, else float32.
+        ns_batch_bytes: most bytes of one batched Newton-Schulz call (``0``: one matrix at a time, as torch's).
+        ns_gram_aspect: matrices this many times longer than wide use Gram Newton-Schulz (``None``: never).
+        split_ns: under DDP, FSDP2 or tensor parallelism, split the Newton-Schulz work over the ranks.
+        process_group: the group the DDP split runs over (default: the default group).
+        device_mesh: the mesh of DTensor parameters, when it cannot be read from them.
+        exchange_round_bytes: most bytes each rank sends in one round of the FSDP2 and TP exchanges.
+        normuon_beta2: NorMuon's second-moment decay per neuron (``0.95`` turns it on); ``None``: plain Muon.
+        cautious_weight_decay: Muon decays an entry only where its update moves it toward zero.
+        muon_params: glob patterns of parameter names forced onto Muon (a model only).
+        adamw_params: glob patterns of parameter names forced onto AdamW (a model only).
+        split_fused: orthogonalise each block of a fused projection on its own (a model only).
+        matrix_blocks: glob pattern -> row-block sizes of those Muon matrices, ``None``: whole (a model only).
 
     Raises:
         ValueError: a bad setting (quoting it, as `Muon` and ``AdamW`` word it), a group without a valid
@@ -255,12 +263,13 @@ class MuonWithAdamW(Optimizer):
 
     def pair_state_dicts(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(muon_state_dict, adamw_state_dict)``: this state as the pair ``[Muon, AdamW]`` over the same
-        groups would save it (`lightning_muon.MuonMixin`'s ``optimizer_states``); see `split_state_dict`."""
+        groups would save it (`lightning_muon.MuonMixin`'s ``optimizer_states``): each algorithm's groups and
+        their parameters' state, renumbered as that optimizer numbers them."""
         return split_state_dict(self.state_dict())
 
     def load_pair_state_dicts(self, muon_state_dict: dict[str, Any], adamw_state_dict: dict[str, Any]) -> None:
         """Load the states of a ``Muon`` and an ``AdamW`` over the same groups (each algorithm's groups in
-        this optimizer's order); see `merge_state_dicts`."""
+        this optimizer's order), as `pair_state_dicts` gives them: the inverse of that."""
         algorithms = [g["algorithm"] for g in self.param_groups]
         self.load_state_dict(merge_state_dicts(muon_state_dict, adamw_state_dict, algorithms))
 

@@ -49,6 +49,24 @@ def muon_subclass(parent: type[_T]) -> type[_T]:
     class. Its constructor is the mixin's: the mixin's keyword-only settings, and the parent's arguments,
     positional or by keyword.
 
+    Args:
+        parent: the LightningModule class to train with the mixin.
+
+    Examples:
+        ```python
+        from torch import nn
+        from lightning_muon import muon_subclass
+
+        class Net(L.LightningModule):  # a library's module, looked up by its name
+            def __init__(self, hidden: int = 8):
+                super().__init__()
+                self.net = nn.Linear(hidden, hidden)
+
+        MuonNet = muon_subclass(Net)
+        model = MuonNet(hidden=16, gradient_clip_val=1.0)  # Net's arguments and the mixin's
+        print(MuonNet.__name__, MuonNet.__mro__[1].__name__)  # Net MuonMixin
+        ```
+
     Raises:
         TypeError: ``parent`` is not a class, or already has the mixin.
     """

@@ -70,50 +70,50 @@ def _wrap_training_step(fn: Callable[..., Any]) -> Callable[..., Any]:
 class MuonMixin(_LightningModuleBase):
     """Train any LightningModule with Muon on its hidden matrices and AdamW on everything else.
 
-    Put it first in the bases: ``class MyModel(MuonMixin, MyExistingModule)``.
-    Its keyword-only arguments are the whole configuration; every other
-    argument, positional or keyword, goes to the wrapped module's constructor
-    (``MuonModel(64, 3, gradient_clip_val=1.0)``) and is saved as the parent's
-    hyperparameters exactly as without the mixin.
+    Put it first in the bases: ``class MyModel(MuonMixin, MyExistingModule)``. Its keyword-only arguments are the
+    whole configuration; every other argument, positional or keyword, goes to the wrapped module's constructor
+    (``MuonModel(64, 3, gradient_clip_val=1.0)``) and is saved as the parent's hyperparameters exactly as without
+    the mixin.
+
+    Examples:
+        ```python
+        class MyModel(MuonMixin, MyExistingModule):  # yours: its training_step returns the loss
+            pass
+
+        model = MyModel(muon=functools.partial(lightning_muon.Muon, lr=0.02), gradient_clip_val=1.0)
+        ```
 
     Args:
-        muon: factory of the Muon optimizer, called with the routed param
-            groups (default: `lightning_muon.Muon` with lr 0.02, momentum
-            0.95, weight decay 0.01; ``torch.optim.Muon`` works too, its tensors
-            of more than 2 dimensions then go to AdamW). ``None`` puts every parameter on
-            AdamW with the same training loop: the baseline for A/B runs.
-        adamw: factory of the optimizer for everything else (default:
-            ``torch.optim.AdamW`` with lr 3e-4, betas (0.9, 0.95), weight decay
-            0, fused where the device supports it).
-        lr_scheduler: factory of a scheduler (stepped once per update) or of
-            Lightning's scheduler dict (``interval``, ``frequency``,
-            ``monitor``), applied to each optimizer separately, e.g.
-            `lightning_muon.WarmupCosine` (its ``total_steps`` defaults to the
-            number of updates of the fit). ``None``: constant lr.
+        muon: factory of the Muon optimizer, called with the routed param groups (default: `lightning_muon.Muon`
+            with lr 0.02, momentum 0.95, weight decay 0.01; ``torch.optim.Muon`` works too, its tensors of more than
+            2 dimensions then go to AdamW). ``None`` puts every parameter on AdamW with the same training loop: the
+            baseline for A/B runs.
+        adamw: factory of the optimizer for everything else (default: ``torch.optim.AdamW`` with lr 3e-4, betas
+            (0.9, 0.95), weight decay 0, fused where the device supports it).
+        lr_scheduler: factory of a scheduler (stepped once per update) or of Lightning's scheduler dict
+            (``interval``, ``frequency``, ``monitor``), applied to each optimizer separately, e.g.
+            `lightning_muon.WarmupCosine` (its ``total_steps`` defaults to the number of updates of the fit).
+            ``None``: constant lr.
         muon_params: glob patterns of parameter names forced onto Muon.
         adamw_params: glob patterns of parameter names forced onto AdamW.
-        accumulate_grad_batches: micro-batches per update (the same as
-            ``Trainer(accumulate_grad_batches=...)``; give it in one place).
-        gradient_clip_val: clip the global gradient norm over both optimizers
-            to this value (as ``Trainer(gradient_clip_val=...)`` does, which also
-            takes ``gradient_clip_algorithm="value"``); ``None``: no clipping.
-        parent_lr: train with the learning rate and weight decay of the parent's
-            ``configure_optimizers`` (its first optimizer's): AdamW at them, Muon
-            at them with ``adjust_lr_fn="match_rms_adamw"`` (its update RMS
-            matched to AdamW's). Off by default: on three forecasting modules
-            (TFT, N-BEATS, DeepAR) the mixin's own lrs reached a lower loss on two.
-        split_fused: orthogonalise each block of a fused projection the routing
-            finds (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s ``in_proj_weight``,
-            litgpt's ``qkv``, fused MoE ``gate_up_proj``) on its own, as separate
-            layers would be; off by default (the routing table names them). An
-            LSTM's or GRU's gates are split whatever it says (measured better).
-        matrix_blocks: glob pattern -> row-block sizes of those Muon matrices
-            (``{"*.qkv.weight": [64, 64, 64]}``), or ``None`` to keep a found one
-            whole; the first matching pattern decides, over ``split_fused``.
-        max_consecutive_skips: updates with non-finite gradients are skipped
-            for both optimizers; after this many in a row, fit stops with an
-            error naming the parameters (16-mixed overflows are the scaler's
-            business and do not count).
+        accumulate_grad_batches: micro-batches per update (the same as ``Trainer(accumulate_grad_batches=...)``;
+            give it in one place).
+        gradient_clip_val: clip the global gradient norm over both optimizers to this value (as
+            ``Trainer(gradient_clip_val=...)`` does, which also takes ``gradient_clip_algorithm="value"``);
+            ``None``: no clipping.
+        parent_lr: train with the learning rate and weight decay of the parent's ``configure_optimizers`` (its first
+            optimizer's): AdamW at them, Muon at them with ``adjust_lr_fn="match_rms_adamw"`` (its update RMS
+            matched to AdamW's). Off by default: on three forecasting modules (TFT, N-BEATS, DeepAR) the mixin's own
+            lrs reached a lower loss on two.
+        split_fused: orthogonalise each block of a fused projection the routing finds (GPT-2's ``c_attn``,
+            ``nn.MultiheadAttention``'s ``in_proj_weight``, litgpt's ``qkv``, fused MoE ``gate_up_proj``) on its
+            own, as separate layers would be; off by default (the routing table names them). An LSTM's or GRU's
+            gates are split whatever it says (measured better).
+        matrix_blocks: glob pattern -> row-block sizes of those Muon matrices (``{"*.qkv.weight": [64, 64, 64]}``),
+            or ``None`` to keep a found one whole; the first matching pattern decides, over ``split_fused``.
+        max_consecutive_skips: updates with non-finite gradients are skipped for both optimizers; after this many in
+            a row, fit stops with an error naming the parameters (16-mixed overflows are the scaler's business and
+            do not count).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -46,6 +46,22 @@ class ParamDiagnostics(NamedTuple):
 
     The tensors are 0-dim float32 on the parameter's device, so reading them
     does not force a device sync until they are used.
+
+    Examples:
+        ```python
+        import torch
+        from lightning_muon import Muon
+
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(64, 32))
+        optimizer = Muon([w], lr=0.02, ns_dtype=torch.float32)
+        w.grad = torch.randn(64, 32)
+        optimizer.record_diagnostics()  # for the next step only
+        optimizer.step()
+        (d,) = optimizer.diagnostics
+        print(d.name, d.shape, f"{d.effective_lr:.4f}")  # params.0 (64, 32) 0.0283
+        print(f"{d.orthogonality_error:.2f}")  # 0.38
+        ```
     """
 
     #: The parameter's name (`param_name`: its ``param_names`` entry, else ``<group name>.<index>``).
@@ -61,7 +77,7 @@ class ParamDiagnostics(NamedTuple):
 
 
 class GroupSettings(NamedTuple):
-    """What a step reads of a param group, resolved once a step (`settings_of`, after the ranks agreed on the
+    """What a step reads of a param group, resolved once a step (by settings_of, after the ranks agreed on the
     Newton-Schulz dtype) and handed down with each of the group's buckets: no stage goes back to the group for it."""
 
     #: The group itself (for what a step reads of it only where it is used: ``lr``, ``momentum``, the rules' keys).
@@ -115,7 +131,7 @@ class Bucket(NamedTuple):
     #: The update rules' state (`lightning_muon.optim.rules.UpdateRule.state_keys`): by state key, one tensor per
     #: parameter of the bucket (as the optimizer state holds it, or a block's view of it); empty for plain Muon.
     states: Mapping[str, Sequence[Tensor]] = NO_STATES
-    #: The group's settings as the step resolved them (`settings_of`); ``None``: resolved when read (`settings`).
+    #: The group's settings as the step resolved them; ``None``: resolved when read (`settings`).
     resolved: GroupSettings | None = None
 
     @property
@@ -141,7 +157,7 @@ class Bucket(NamedTuple):
     def exchange_layout(self) -> ExchangeLayout:
         """What a distributed exchange needs to know of the bucket: one 2D block per parameter (its matrices one
         under the other), in the group's Newton-Schulz dtype, and how the ranks' shards cut each block where
-        some are not plain row shards (tensor parallelism, 2-D: `matrix_parts`)."""
+        some are not plain row shards (tensor parallelism, 2-D)."""
         m, n = self.shape
         cuts = tuple(matrix_parts(p) for p in self.params)
         layout = ExchangeLayout(len(self.params), (m * self.per_param, n), self.settings.ns_dtype)

@@ -32,8 +32,10 @@ class AdamW(torch.optim.AdamW):
         from lightning_muon.optim import AdamW
 
         # the pair's AdamW half with decay, decaying only where each step already shrinks the entry
-        adamw = functools.partial(AdamW, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, cautious_weight_decay=True)
-        # MuonMixin(adamw=adamw), or in YAML: adamw: {class_path: lightning_muon.optim.AdamW, init_args: {...}}
+        adamw = functools.partial(AdamW, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                                  cautious_weight_decay=True)
+        # MuonMixin(adamw=adamw), or in YAML:
+        # adamw: {class_path: lightning_muon.optim.AdamW, init_args: {...}}
         ```
 
     Args:

@@ -188,6 +188,19 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size | tuple[int
 
     ``A, B = shape[0], prod(shape[1:])``; for a 2D parameter that is its shape,
     as in ``torch.optim.Muon``. Weight decay always uses the unadjusted ``lr``.
+
+    Args:
+        lr: the param group's learning rate.
+        adjust_lr_fn: the rule (above).
+        shape: the parameter's shape (``out x in``, or a conv kernel's, flattened to ``out x in*kh*kw``).
+
+    Examples:
+        ```python
+        from lightning_muon import adjust_lr
+
+        print(adjust_lr(0.02, None, (3072, 768)))  # 0.04: a 4:1 matrix gets sqrt(4) = 2 times the lr
+        print(f"{adjust_lr(0.02, 'match_rms_adamw', (768, 768)):.4f}")  # 0.1109: 0.2 sqrt(768) times
+        ```
     """
     A, B = matrix_shape(shape)
     if adjust_lr_fn is None or adjust_lr_fn == "original":

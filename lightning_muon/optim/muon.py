@@ -245,8 +245,8 @@ class Muon(Optimizer):
         from lightning_muon import Muon, route_parameters
 
         model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-        routing = route_parameters(model)  # 2.weight to Muon; the input layer, head and biases to AdamW
-        muon = Muon(routing.groups("Muon"), lr=0.02, ns_dtype=torch.float32)  # fp32 Newton-Schulz on a CPU
+        routing = route_parameters(model)  # 0.weight, 2.weight to Muon (trace_roles would find 0 an input)
+        muon = Muon(routing.groups("Muon"), lr=0.02, ns_dtype=torch.float32)  # the same bits on any machine
         adamw = torch.optim.AdamW(routing.groups("AdamW"), lr=3e-3)
         x = torch.randn(32, 16)
         loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
@@ -278,7 +278,7 @@ class Muon(Optimizer):
             Default ``None``: 1 MiB on CPU, 256 MiB on accelerators.
         ns_gram_aspect: matrices at least this many times longer than wide use Gram Newton-Schulz
             (the same iteration on the small Gram matrix, fewer FLOPs); ``None``: never; never on the
-            exact path (``ns_batch_bytes=0``). The default (``DEFAULT_GRAM_ASPECT``) is the aspect from
+            exact path (``ns_batch_bytes=0``). The default, 3, is the aspect from
             which it measured faster.
         split_ns: under DDP (an initialised process group of several ranks and plain, replicated
             parameters) each rank orthogonalises a share of the matrices, balanced by FLOPs, and the

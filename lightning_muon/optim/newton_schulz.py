@@ -132,15 +132,41 @@ def zeropower_via_newtonschulz(
 ) -> Tensor:
     """Approximately orthogonalise every matrix of a stack ``G`` of shape ``(..., m, n)``.
 
+    For ``G = U S V^T`` (its singular value decomposition) the exact answer is ``U V^T``, the nearest
+    semi-orthogonal matrix to ``G``: the same singular vectors, every singular value 1. The iteration gets near it
+    with matrix products only. Each matrix is taken short side first (transposed when ``m > n``), so that with
+    ``r = min(m, n)`` the iterate ``X`` is ``r x max(m, n)``; it is scaled by its Frobenius norm (every singular
+    value at most 1), then each of ``ns_steps`` steps computes the ``r x r`` Gram matrix ``A = X X^T`` and
+
+    ```text
+    X <- a X + (b A + c A^2) X   =   a X + b (X X^T) X + c (X X^T)^2 X
+    ```
+
+    which maps every singular value ``s`` of ``X`` to ``a s + b s^3 + c s^5`` and keeps the singular vectors.
+    With the default coefficients 5 steps leave the singular values in about 0.68..1.13, not at 1 (see the
+    module's docstring); `orthogonality_error` measures how far.
+
     Returns a new tensor of ``G``'s shape in ``dtype`` (``G`` is never written).
     On a single 2D matrix in bfloat16 the operations are exactly those of
     ``torch.optim.Muon`` (bit-identical results); a stack runs the same
     iteration with batched matmuls.
 
+    Examples:
+        ```python
+        import torch
+        from lightning_muon import orthogonality_error, zeropower_via_newtonschulz
+
+        torch.manual_seed(0)
+        G = torch.randn(64, 256)
+        O = zeropower_via_newtonschulz(G, dtype=torch.float32)
+        s = torch.linalg.svdvals(O)
+        print(f"{s.min():.2f}..{s.max():.2f}, error {orthogonality_error(O):.2f}")  # 0.68..1.13, error 0.38
+        ```
+
     Args:
         G: one matrix ``(m, n)`` or a stack ``(..., m, n)``.
-        ns_coefficients: ``(a, b, c)`` of the quintic ``a X + b A X + c A^2 X``, or
-            ``"polar_express"`` (a schedule, see `coefficient_schedule`).
+        ns_coefficients: ``(a, b, c)`` of the step ``X <- a X + (b A + c A^2) X`` above, or
+            ``"polar_express"`` (one ``(a, b, c)`` per step, Amsel et al. 2025).
         ns_steps: number of iterations (``0 <= ns_steps < 100``).
         eps: floor of the Frobenius norm used to normalise each matrix.
         dtype: compute dtype; ``torch.bfloat16`` (fast where the hardware has
@@ -238,6 +264,18 @@ def orthogonality_error(O: Tensor) -> Tensor:
     ``||O O^T - I_r||_F / sqrt(r)``. It is 0 for a semi-orthogonal matrix, and
     equals the RMS over the ``r`` singular values ``s`` of ``s^2 - 1``. Returns
     a tensor of shape ``O.shape[:-2]`` in float32 (float64 for float64 input).
+
+    Args:
+        O: one matrix ``(m, n)`` or a stack ``(..., m, n)``, such as an orthogonalised update.
+
+    Examples:
+        ```python
+        import torch
+        from lightning_muon import orthogonality_error
+
+        print(orthogonality_error(torch.eye(4)).item())  # 0.0
+        print(f"{orthogonality_error(2 * torch.eye(4)):.1f}")  # 3.0: every s^2 - 1 is 3
+        ```
     """
     if O.ndim < 2:
         raise ValueError(f"expected a matrix or a stack of matrices (..., m, n), got shape {tuple(O.shape)}")

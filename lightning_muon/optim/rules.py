@@ -128,7 +128,7 @@ class UpdateRule:
         """The rule's updates of this rank's shards (``shards``, one per parameter, shaped like its local tensor)
         from the owners' `statistics` (empty tuples where the rule has none). ``bucket`` is this rank's (its
         params, buffers and DTensor states local; plain-tensor states whole); ``params`` the DTensor parameters
-        themselves, for where each shard lies (`lightning_muon.optim._dtensor.local_slices`)."""
+        themselves, for where each shard lies (each shard's slices of the whole tensor)."""
         return self.update(bucket, shards)
 
     def decay(self, params: list[Tensor], updates: list[Tensor], coefficient: float) -> bool:

@@ -27,6 +27,7 @@ class WarmupCosine(LambdaLR):
             from a checkpoint with another length then keeps its own length
             (with a warning), so an extended run does not train at the final lr.
         min_lr_ratio: the final lr as a fraction of the base lr.
+        last_epoch: the index of the last update taken (``-1``: a new schedule), as torch's schedulers take it.
 
     Examples:
         `MuonMixin`'s ``lr_scheduler``, among the model's ``init_args`` in a config (applied to both optimizers):

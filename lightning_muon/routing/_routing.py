@@ -21,16 +21,39 @@ _GROUP_ORDER = {Algorithm.MUON: (Group.HIDDEN,), Algorithm.ADAMW: tuple(Group)}
 
 @dataclass
 class Routing:
-    """Every trainable parameter's route, and the param groups for the two optimizers."""
+    """Every trainable parameter's route, and the param groups for the two optimizers.
 
+    What `lightning_muon.route_parameters` returns: print it for the table (who goes where, and why), and give
+    `muon_groups` and `adamw_groups` to the two optimizers (each group named: ``hidden``, ``embeddings``,
+    ``input``, ``head``, ``norms_and_biases``, ...).
+
+    Examples:
+        ```python
+        import torch
+        from torch import nn
+        from lightning_muon import Muon, route_parameters
+
+        model = nn.Sequential(nn.Embedding(16, 32), nn.Flatten(), nn.Linear(8 * 32, 64), nn.ReLU(),
+                              nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+        routing = route_parameters(model)
+        muon = Muon(routing.muon_groups, lr=0.02)
+        adamw = torch.optim.AdamW(routing.adamw_groups, lr=3e-4)
+        print(routing.names("Muon"))  # ['2.weight', '4.weight']
+        print([g["name"] for g in routing.adamw_groups])  # ['embeddings', 'head', 'norms_and_biases']
+        print(routing.plain_table(width=100))  # lightning_muon routing: the table, reasons wrapped
+        ```
+    """
+
+    #: Every trainable parameter's route (name, shape, optimizer, group, reason, the rule that decided), in the
+    #: model's order.
     routes: list[Route]
+    #: The routed parameters by name.
     params: dict[str, Tensor]
     #: Where output heads and input layers came from, for people (the table's last lines say it).
     roles_from: str = "names and structure (no training batch seen)"
 
     def groups(self, optimizer: str) -> list[dict[str, Any]]:
-        """Param groups for ``optimizer`` (an `Algorithm`, or its name: `MUON`, `ADAMW`), non-empty, in a fixed
-        order.
+        """Param groups for ``optimizer`` (``"Muon"`` or ``"AdamW"``), non-empty, in a fixed order.
 
         Each group is ``{"name": ..., "params": [(param_name, tensor), ...]}``,
         which every ``torch.optim.Optimizer`` accepts (it keeps the names as
@@ -53,10 +76,14 @@ class Routing:
 
     @property
     def muon_groups(self) -> list[dict[str, Any]]:
+        """The param groups for the Muon optimizer (``groups("Muon")``): ``hidden``, with each parameter's
+        ``matrix_layouts`` and ``matrix_blocks`` where it needs them."""
         return self.groups(Algorithm.MUON)
 
     @property
     def adamw_groups(self) -> list[dict[str, Any]]:
+        """The param groups for the AdamW optimizer (``groups("AdamW")``): one per group that has parameters,
+        named (``embeddings``, ``input``, ``head``, ``norms_and_biases``, ...), so each can take its own lr."""
         return self.groups(Algorithm.ADAMW)
 
     def names(self, optimizer: str) -> list[str]:
@@ -80,9 +107,10 @@ class Routing:
         decided (and effective lr)."""
         return _table.rich_table(self.routes, self.roles_from, effective_lr)
 
-    def plain_table(self, effective_lr: Callable[[Route], float | None] | None = None) -> str:
-        """The table in aligned plain-text columns (what `render` gives without rich)."""
-        return _table.plain_table(self.routes, self.roles_from, effective_lr)
+    def plain_table(self, effective_lr: Callable[[Route], float | None] | None = None, width: int | None = None) -> str:
+        """The table in aligned plain-text columns (what `render` gives without rich); with ``width``, each reason
+        wraps onto more lines so that the rows fit that many columns."""
+        return _table.plain_table(self.routes, self.roles_from, effective_lr, width)
 
     def render(self, effective_lr: Callable[[Route], float | None] | None = None, width: int = 140) -> str:
         """The table as plain text: drawn by rich when it is installed, else `plain_table`."""

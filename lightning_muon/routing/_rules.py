@@ -424,9 +424,10 @@ def route_parameters(
     Fused projections (``nn.MultiheadAttention``'s ``in_proj_weight``, GPT-2's ``c_attn``, litgpt's ``qkv``,
     transformers' fused MoE ``gate_up_proj``) are found by module type and shape and named in the reason. With
     ``split_fused`` each of their blocks is orthogonalised and lr-scaled as a separate layer's would be (the
-    Muon group's ``matrix_blocks``); by default they stay one matrix, as before (FSDP2 and tensor parallelism
-    cannot split them yet). The gates ``nn.LSTM`` and ``nn.GRU`` (and their cells) stack in the rows of every
-    ``weight_ih``/``weight_hh`` are split by default, measured better than fused (``benchmarks/torch_layers.py``;
+    Muon group's ``matrix_blocks``); by default they stay one matrix, as before: FSDP2 and tensor parallelism
+    cannot split yet (the split measured better on GPT-style q, k, v: docs/guides/routing.md). The gates
+    ``nn.LSTM`` and ``nn.GRU`` (and their cells) stack in the rows of every ``weight_ih``/``weight_hh`` are split
+    by default, measured better than fused (``benchmarks/torch_layers.py``;
     kept whole under ``torch.optim.Muon``, ``muon_nd=False``, which cannot split).
 
     A grouped convolution's kernel (``groups`` > 1, depthwise ones too) is its groups' matrices stacked along dim 0
@@ -444,10 +445,11 @@ def route_parameters(
         from torch import nn
         from lightning_muon import route_parameters
 
-        model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 256))
+        model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 64), nn.LayerNorm(64),
+                              nn.Linear(64, 256))
         routing = route_parameters(model)
         print(routing.names("Muon"))  # ['1.weight']: the embedding, the norm and the head go to AdamW
-        groups = routing.groups("Muon")  # param groups, for lightning_muon.Muon (and "AdamW" for torch's AdamW)
+        groups = routing.groups("Muon")  # param groups for lightning_muon.Muon ("AdamW": torch's AdamW)
         ```
 
     Raises:

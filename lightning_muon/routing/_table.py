@@ -5,6 +5,7 @@ in plain aligned columns."""
 from __future__ import annotations
 
 import io
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,17 +57,30 @@ def rich_table(routes: Sequence[Route], roles_from: str, effective_lr: Effective
     return table
 
 
-def plain_table(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None = None) -> str:
-    """The table in aligned plain-text columns."""
+def plain_table(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None = None,
+                width: int | None = None) -> str:
+    """The table in aligned plain-text columns; with ``width``, the ``reason`` column is wrapped onto more lines
+    so that the rows fit that many columns (where the other columns leave it room)."""
     header, rows, totals = _cells(routes, roles_from, effective_lr)
     widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
+    reason = header.index("reason")
+    if width is not None:
+        others = sum(widths) - widths[reason] + 2 * (len(widths) - 1)
+        widths[reason] = max(len("reason"), min(widths[reason], width - others))
 
     def line(cells: list[str]) -> str:
         return "  ".join(c.rjust(w) if h == "effective lr" else c.ljust(w)
                          for c, w, h in zip(cells, widths, header, strict=True)).rstrip()
 
+    def lines(cells: list[str]) -> list[str]:
+        first, *more = textwrap.wrap(cells[reason], widths[reason], break_long_words=False) or [""]
+        blank = [""] * len(cells)
+        return [line([*cells[:reason], first, *cells[reason + 1:]]),
+                *(line([*blank[:reason], part, *blank[reason + 1:]]) for part in more)]
+
     rule = "  ".join("-" * w for w in widths)
-    return "\n".join([TITLE, line(header), rule, *map(line, rows), rule, totals]) + "\n"
+    body = [text for row in rows for text in lines(row)]
+    return "\n".join([TITLE, line(header), rule, *body, rule, totals]) + "\n"
 
 
 def render(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None = None,

@@ -89,6 +89,21 @@ class GraphRoles:
     ``heads`` and ``inputs`` are ``None`` where the batch gave no verdict (the loss was not followed, or no
     batch tensor reached a matrix op): those roles then come from the structural rules. A parameter in
     ``unreached`` has no role yet, whatever the sets say: no batch has reached it.
+
+    Examples:
+        `lightning_muon.trace_roles` makes one; `lightning_muon.route_parameters` reads it (``graph=``):
+
+        ```python
+        import torch
+        from torch import nn
+        from lightning_muon import trace_roles
+
+        model = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+        batch = torch.randn(16, 1), torch.randn(16, 2)
+        roles = trace_roles(model, batch, lambda b: nn.functional.mse_loss(model(b[0]), b[1]))
+        print(sorted(roles.inputs), sorted(roles.heads))  # ['0.weight'] ['4.weight']
+        print(roles.role("2.weight"))  # hidden
+        ```
     """
 
     #: Matrices applied by a matrix op during the forward.
@@ -99,7 +114,7 @@ class GraphRoles:
     inputs: frozenset[str] | None = None
     #: Why there is no verdict (``""`` when there is one).
     note: str = ""
-    #: Parameters the batch used, never as a matrix: what it did with each (keys of `USES`, in order).
+    #: Parameters the batch used, never as a matrix: what it did with each (keys of the trace's uses table, in order).
     elementwise: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
     #: Trainable parameters the loss did not depend on (no batch has reached them yet); ``None``: not known
     #: (every parameter is taken as reached).
@@ -250,7 +265,7 @@ _CONCATENATIONS = frozenset({"cat", "concat", "concatenate", "stack", "hstack", 
 
 _IN_PLACE = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ior__", "__iand__"})
 
-#: Matrix ops that look rows of their matrix up rather than apply it (`USES` ``"indexes"``).
+#: Matrix ops that look rows of their matrix up rather than apply it (the use ``"indexes"``).
 _LOOKUPS = frozenset({"embedding", "embedding_bag"})
 #: Calls that select parts of their first argument by an index (a parameter selected by an activation, such as an
 #: expert's matrix chosen by a router, stays the parameter).
@@ -306,7 +321,7 @@ class RoleTrace(TorchFunctionMode):
     _carried: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     _seen: set[str] = field(default_factory=set)
     _inputs: set[str] = field(default_factory=set)
-    #: Parameters used as a matrix; used otherwise (with how, `USES`); used in calls the trace does not know.
+    #: Parameters used as a matrix; used otherwise (with how); used in calls the trace does not know.
     _as_matrix: set[str] = field(default_factory=set)
     _uses: dict[str, set[str]] = field(default_factory=dict)
     _unknown_uses: set[str] = field(default_factory=set)
@@ -569,6 +584,28 @@ def trace_roles(module: nn.Module, batch: Any, loss_of: Callable[[Any], Any]) ->
     """The roles of ``module``'s matrices from one forward: ``loss_of(batch)`` computes the loss (a tensor).
 
     A pure step: the forward runs once, unchanged, and nothing of ``module`` is modified. Where the forward cannot
-    be followed, the roles hold no verdict (their ``note`` says why) and routing keeps its structural rules."""
+    be followed, the roles hold no verdict (their ``note`` says why) and routing keeps its structural rules.
+
+    Args:
+        module: the model whose parameters are routed.
+        batch: one training batch, as the loss function takes it.
+        loss_of: ``batch -> loss``, calling ``module`` (the forward that is followed).
+
+    Examples:
+        The input layer (``Linear(1, 64)``, as square-ish as any hidden one could be) and the head are found from
+        the computation, whatever their names:
+
+        ```python
+        import torch
+        from torch import nn
+        from lightning_muon import route_parameters, trace_roles
+
+        model = nn.Sequential(nn.Linear(1, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+        batch = torch.randn(16, 1), torch.randn(16, 2)
+        roles = trace_roles(model, batch, lambda b: nn.functional.mse_loss(model(b[0]), b[1]))
+        routing = route_parameters(model, graph=roles)
+        print(routing.names("Muon"))  # ['2.weight']
+        ```
+    """
     _, roles = trace_step(module, batch, lambda: loss_of(batch), loss_in)
     return roles

@@ -16,4 +16,5 @@ def test_the_example_prints_the_table_on_the_page():
         exec(compile(example, "docs/guides/routing.md block 0", "exec"), {"__name__": "routing_guide"})
     lines = [line.rstrip() for line in printed.getvalue().rstrip("\n").splitlines()]
     assert lines == shown.rstrip("\n").splitlines()
+    assert max(map(len, lines)) <= 100  # fits the site's code column (docs/stylesheets/extra.css)
     assert "loc.weight      1x64   AdamW      head" in shown  # the point the page makes about it

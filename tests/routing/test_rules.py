@@ -78,6 +78,20 @@ def test_the_first_batch_rule_and_the_table():
     assert re.search(r" output head: feeds the loss through no other matrix \(first batch\) +first batch$",
                      rows["classifier.weight"])
     assert "Output heads and input layers: from the first batch's computation." in routing.plain_table()
+    wide = max(map(len, routing.plain_table().splitlines()))
+    narrow = routing.plain_table(width=wide - 20).splitlines()  # 20 columns fewer: the reasons wrap
+    assert max(map(len, narrow)) <= wide - 20
+    head = next(i for i, line in enumerate(narrow) if line.startswith("classifier.weight "))
+    assert narrow[head].endswith("first batch")  # the rule stays on the row's first line
+    continued = [narrow[head]]
+    for line in narrow[head + 1:]:
+        if not line.startswith(" "):
+            break
+        continued.append(line)
+    assert len(continued) > 1  # the reason wrapped onto the lines under it, and nothing of it was lost
+    reason_at = narrow[1].index("reason")
+    words = " ".join(line[reason_at:].removesuffix("first batch") for line in continued).split()
+    assert " ".join(words) == "output head: feeds the loss through no other matrix (first batch)"
 
 
 def test_one_name_per_algorithm():
