@@ -269,6 +269,7 @@ RUN = {
     "lightning_muon.callbacks.clock.WallClock#0": ("WallClock", "CSVLogger"),
     "lightning_muon.attention.layout.QKLayout#0": ("nn", "F", "QKLayout", "QKProjection", "record_qk"),
     "lightning_muon.lightning.mixin#0": ("MuonMixin", "MyExistingModule"),
+    "lightning_muon.lightning.mixin.MuonMixin#0": ("MyExistingModule",),
     # the core classes' examples stand alone: they import what they use
     "lightning_muon.optim.muon.Muon#1": (),  # #0 is the update rule, a text block
     "lightning_muon.combined.muon_with_adamw.MuonWithAdamW#0": (),

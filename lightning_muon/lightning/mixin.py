@@ -110,6 +110,17 @@ class MuonMixin(_LightningModuleBase):
             for both optimizers; after this many in a row, fit stops with an
             error naming the parameters (16-mixed overflows are the scaler's
             business and do not count).
+
+    Examples:
+        ```python
+        from lightning_muon import MuonMixin
+
+        class MyModel(MuonMixin, MyExistingModule):  # the mixin first
+            pass
+
+        model = MyModel(accumulate_grad_batches=2)  # the parent's arguments and the mixin's, in one constructor
+        baseline = MyModel(muon=None)  # every parameter on AdamW, the same loop: the A/B baseline
+        ```
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
