@@ -31,6 +31,7 @@ from lightning_muon.commands.compare.fit import override_value
 from lightning_muon.commands.compare.plot import plot_tuned
 from lightning_muon.commands.compare.report import baseline_index, baseline_reason, report_end, uniquely_named
 from lightning_muon.commands.compare.sweep import MULTIPLIERS, SweptLr, side_grid
+from lightning_muon.commands.compare.target import check_target
 from lightning_muon.commands.compare.target_report import target_label, target_notes, target_table, target_verdict
 from lightning_muon.commands.compare.tuning import (
     Progress,
@@ -130,6 +131,7 @@ def _side_target(given: float | str | None, sides: Sequence[Side]) -> float | No
     """The target loss: a number as given, a side's name as that side's mean final val loss, else ``None``."""
     if given is None or isinstance(given, float):
         return given
+    check_target(given, [s.name for s in sides])
     return mean_final(next(s for s in sides if s.name == given))
 
 
@@ -144,7 +146,10 @@ def _fit_sides(args: argparse.Namespace, specs: Sequence[SideSpec], seeds: int, 
     if first:
         plain = subprocess_fit(log_root, overrides, args.max_steps, args.val_points)
         done = {side.name: side for side in tune(first, seeds, plain, progress)}
-    value = _side_target(given, [*done.values(), *read]) if given is not None else None
+    try:
+        value = _side_target(given, [*done.values(), *read])
+    except ValueError as error:  # a named side read back under another name
+        raise SystemExit(f"lightning-muon compare: {error}") from None
     fit = subprocess_fit(log_root, overrides, args.max_steps, args.val_points, target=value,
                          resolution=args.resolution)
     rest = [spec for spec in specs if spec.name not in done]
