@@ -53,6 +53,8 @@ NOT_MESSAGES = {
 INTERNAL = {
     # compare checks --max_steps and --val_points before any fit (`--val_points and --max_steps must be >= 1`)
     "commands/compare/fit.py: max_steps and points must be >= 1, got ... and ...",
+    # NearTargetValidation refuses a val_check_interval below 1 before it builds its schedule from it
+    "commands/compare/target.py: every must be a number of steps >= 1, got ...",
     # every side has an lr: check_lrs and check_multipliers refuse an empty grid, a side read back holds a run
     "commands/compare/sweep.py: no lr to choose from",
     # FitState.hold corrects the optimizers only while they hold no state

@@ -107,7 +107,9 @@ def check_callbacks(module: LightningModule, muon_enabled: bool) -> None:
         if isinstance(callback, _compat.lightning_classes(StochasticWeightAveraging)):
             raise MisconfigurationException(
                 "StochasticWeightAveraging works with one optimizer and MuonMixin trains with two (Muon and "
-                "AdamW). Use muon=None (AdamW alone, the A/B baseline) with SWA, or remove the callback."
+                "AdamW). Use muon=None (AdamW alone, the A/B baseline) with SWA; for the average of the "
+                "weights without SWA's lr schedule, WeightAveraging or EMAWeightAveraging, which work with the "
+                "pair; or remove the callback."
             )
         if isinstance(callback, _compat.lightning_classes(LearningRateFinder)):
             raise MisconfigurationException(

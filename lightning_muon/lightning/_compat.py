@@ -252,3 +252,17 @@ def maps_optimizer_states_by_order(strategy: Any) -> bool:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     return isinstance(strategy, lightning_classes(ModelParallelStrategy))
+
+
+def validates_by_batches(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop decides when to validate by counting training batches (``val_check_interval`` a
+    number of batches, or a fraction of a sized epoch), not by time or only at the end of an endless epoch: what
+    `validate_after_this_batch` needs."""
+    return isinstance(trainer.val_check_batch, int)
+
+
+def validate_after_this_batch(trainer: pl.Trainer, validate: bool) -> None:
+    """Make the fit loop validate after the current training batch, or not, whatever its ``val_check_interval``.
+    Called from ``on_train_batch_end``: the loop asks right after it whether ``(batch index + 1) %
+    trainer.val_check_batch == 0``, which holds for every batch at 1 and for none at ``sys.maxsize``."""
+    trainer.val_check_batch = 1 if validate else sys.maxsize

@@ -150,3 +150,33 @@ def test_attached_trainer_is_the_fitting_trainer_and_none_outside_a_fit():
                         enable_model_summary=False, enable_checkpointing=False, callbacks=[See()])
     trainer.fit(model)
     assert seen == [True], FIX.format(L.__version__, "attached_trainer")
+
+
+def test_validate_after_this_batch_decides_each_validation_of_a_fit():
+    """Told from on_train_batch_end, the loop validates after exactly the batches asked for, whatever its
+    val_check_interval (every 3 batches here); validates_by_batches says the loop counts batches."""
+    asked, validated, by_batches = {2, 3, 7}, [], []
+
+    class Validated(MuonRegression):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", self.loss(batch))
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    class Steer(Callback):
+        def on_train_start(self, trainer, pl_module):
+            by_batches.append(_compat.validates_by_batches(trainer))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            _compat.validate_after_this_batch(trainer, trainer.global_step in asked)
+
+        def on_validation_end(self, trainer, pl_module):
+            validated.append(trainer.global_step)
+
+    trainer = L.Trainer(accelerator="cpu", max_steps=8, val_check_interval=3, check_val_every_n_epoch=None,
+                        num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, callbacks=[Steer()])
+    trainer.fit(Validated())
+    assert validated == [2, 3, 7], FIX.format(L.__version__, "validate_after_this_batch")
+    assert by_batches == [True], FIX.format(L.__version__, "validates_by_batches")

@@ -158,7 +158,8 @@ def test_swa_with_the_pair_is_refused_before_training(tmp_path):
     model = MuonRegression()
     before = snapshot(model)
     pattern = r"^StochasticWeightAveraging works with one optimizer and MuonMixin trains with two \(Muon and AdamW\)"
-    with pytest.raises(MisconfigurationException, match=pattern + r"\. Use muon=None"):
+    with pytest.raises(MisconfigurationException, match=pattern + r"\. Use muon=None.* WeightAveraging or "
+                                                                   r"EMAWeightAveraging, which work with the pair"):
         make_trainer(tmp_path, max_epochs=2, callbacks=[swa()]).fit(model)
     assert same(snapshot(model), before)
 

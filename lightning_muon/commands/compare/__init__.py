@@ -9,7 +9,10 @@ that defines them:
 - `fit`: one fit, in a subprocess; `runs`: a run read back from its logs;
 - `report`: the one-run-per-config table; `plot`: the figures; `console`: where it prints;
 - `sweep`: what a side sweeps; `tuning`: running the sweep and the seeds (`tuning.tune`), or reading them back;
-  `aggregate`: a side's runs as the tuned tables and the verdict.
+  `aggregate`: a side's runs as the tuned tables and the verdict;
+- ``--target``: `target` (the validation schedule near the target, each run's crossing of it, a side's steps over
+  its seeds), `near_target` (the callback that follows the schedule in each fit), `target_report` (the tuned
+  tables and the verdict against the target).
 """
 
 from lightning_muon.commands.compare.run import main

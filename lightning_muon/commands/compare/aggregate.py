@@ -4,6 +4,10 @@ baseline, the tables and the verdict. Pure functions on `Run`s (no training, no 
 The target is the baseline's final validation loss, the mean over its seeds at its best lr. "Steps to" it is the
 first validation of a side's mean curve (over its seeds, on the validation steps they share) at or below it; the
 train time to it is the seeds' mean train time at that validation.
+
+With a target given (``compare --target``: a loss, or a named side's mean final val loss), each seed's own steps
+to it are reported instead (`target_table`, `target_verdict`): their mean and spread, how many seeds reached it,
+and how finely each was resolved (`lightning_muon.commands.compare.target`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 from lightning_muon.commands.compare.report import steps_to_reach
 from lightning_muon.commands.compare.runs import Run
 from lightning_muon.commands.compare.sweep import SweptLr, best_lr, edge
+from lightning_muon.commands.compare.target import StepsTo, steps_to
 
 
 @dataclass
@@ -102,7 +107,10 @@ def mean_curve(runs: Sequence[Run]) -> Curve:
 @dataclass(frozen=True)
 class Outcome:
     """One side against the target: its best lr, its mean curve, the first step of that curve at or below the
-    target and the mean train time there (``None``: not reached, or not timed), and each seed's own first step."""
+    target and the mean train time there (``None``: not reached, or not timed), each seed's own first step, and
+    each seed's crossing of the target with its train time there (``steps``); ``validations`` and
+    ``validation_share``: the mean number of validations per fit of the side (sweep and seeds) and the mean share
+    of their wall time spent validating (``None``: not timed)."""
 
     side: str
     lr: float
@@ -111,6 +119,9 @@ class Outcome:
     steps_to: int | None
     time_to: float | None
     per_seed_steps_to: tuple[int | None, ...]
+    steps: StepsTo
+    validations: float
+    validation_share: float | None
 
     @property
     def last_step(self) -> int:
@@ -123,10 +134,25 @@ class Outcome:
         return None if self.curve.time_mean is None else float(self.curve.time_mean[-1])
 
 
-def outcomes(sides: Sequence[Side], baseline: int) -> tuple[float, list[Outcome]]:
-    """The target (the baseline's mean final val loss at its best lr) and every side's outcome against it."""
+def mean_final(side: Side) -> float:
+    """A side's mean final validation loss over its seeds at its best lr (what a named target is)."""
+    return float(mean_curve(side.seeds).loss_mean[-1])
+
+
+def validation_cost(runs: Sequence[Run]) -> tuple[float, float | None]:
+    """The mean validations per run, and the mean share of the runs' wall time spent validating (elapsed minus
+    train time, over elapsed; ``None`` when a run was not timed)."""
+    shares = [(r.elapsed_s - r.train_s) / r.elapsed_s for r in runs
+              if r.elapsed_s and r.train_s is not None]
+    share = float(np.mean(shares)) if len(shares) == len(runs) and shares else None
+    return float(np.mean([len(r.val_steps) for r in runs])), share
+
+
+def outcomes(sides: Sequence[Side], baseline: int, target: float | None = None) -> tuple[float, list[Outcome]]:
+    """The target (``target`` when given, else the baseline's mean final val loss at its best lr) and every
+    side's outcome against it."""
     curves = [mean_curve(side.seeds) for side in sides]
-    target = float(curves[baseline].loss_mean[-1])
+    target = float(curves[baseline].loss_mean[-1]) if target is None else float(target)
     result = []
     for i, (side, curve) in enumerate(zip(sides, curves, strict=True)):
         reached = steps_to_reach(curve.steps.tolist(), curve.loss_mean.tolist(), target)
@@ -134,7 +160,12 @@ def outcomes(sides: Sequence[Side], baseline: int) -> tuple[float, list[Outcome]
         if reached is not None and curve.time_mean is not None:
             time_to = float(curve.time_mean[curve.steps.tolist().index(reached)])
         per_seed = tuple(steps_to_reach(r.val_steps, r.val_loss, target) for r in side.seeds)
-        result.append(Outcome(side.name, side.best, i == baseline, curve, reached, time_to, per_seed))
+        seeds = steps_to([r.val_steps for r in side.seeds], [r.val_loss for r in side.seeds],
+                         [r.val_time_s for r in side.seeds], target)
+        swept = {id(r) for r in side.sweep.values()}
+        runs = [*side.sweep.values(), *(r for r in side.seeds if id(r) not in swept)]
+        result.append(Outcome(side.name, side.best, i == baseline, curve, reached, time_to, per_seed, seeds,
+                              *validation_cost(runs)))
     return target, result
 
 

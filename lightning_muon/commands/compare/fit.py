@@ -19,6 +19,8 @@ from lightning_muon.commands.config_files import merged_config
 
 #: The callback ``compare`` adds to every fit.
 CLOCK = "lightning_muon.WallClock"
+#: The callback ``compare --target`` adds to every fit made once the target is known.
+NEAR_TARGET = "lightning_muon.commands.compare.near_target.NearTargetValidation"
 
 
 def val_check_interval(max_steps: int, points: int) -> int:
@@ -63,8 +65,11 @@ def fit_arguments(
     overrides: Sequence[str] = (),
     max_steps: int | None = None,
     val_points: int = 12,
+    target: float | None = None,
+    resolution: float = 0.02,
 ) -> list[str]:
-    """The arguments of ``lightning-muon fit`` for one run of ``compare`` (see the module docstring)."""
+    """The arguments of ``lightning-muon fit`` for one run of ``compare`` (see the module docstring); with a
+    ``target``, `NEAR_TARGET` validating densely near it, every ``resolution`` of the steps done."""
     merged = merged_config(config)
     callbacks = _callback_paths(merged)
     args = ["--config", str(config)]
@@ -84,6 +89,9 @@ def fit_arguments(
         args += ["--trainer.enable_checkpointing", "false"]
     if not any(p.endswith("WallClock") for p in callbacks) and not any("WallClock" in a for a in overrides):
         args += [f"--trainer.callbacks+={CLOCK}"]
+    if target is not None:  # its init_args follow it: they go to the callback added last
+        args += [f"--trainer.callbacks+={NEAR_TARGET}", "--trainer.callbacks.target", repr(float(target)),
+                 "--trainer.callbacks.resolution", repr(float(resolution))]
     args += [  # last: compare reads the logs from here
         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
         "--trainer.logger.init_args.save_dir", str(log_root),

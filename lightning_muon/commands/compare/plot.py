@@ -11,11 +11,11 @@ from lightning_muon.commands.compare.aggregate import Side, mean_curve
 from lightning_muon.commands.compare.runs import Run
 
 
-def plot_comparison(runs: Sequence[Run], baseline: int, path: str | os.PathLike) -> Path:
+def plot_comparison(runs: Sequence[Run], baseline: int, path: str | os.PathLike, target: float | None = None) -> Path:
     """Write a PNG: validation loss against step (left) and against training time (right), one line per run.
 
     Drawn with matplotlib's Agg canvas directly (no pyplot, no display, no
-    global backend change). A dotted line marks the baseline's final loss.
+    global backend change). A dotted line marks ``target``, else the baseline's final loss.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -33,10 +33,11 @@ def plot_comparison(runs: Sequence[Run], baseline: int, path: str | os.PathLike)
             by_time.plot(run.val_time_s, run.val_loss, color=line.get_color(), **style)
         else:
             untimed.append(run.name)
-    if runs[baseline].val_loss:
-        target = runs[baseline].val_loss[-1]
+    if target is not None or runs[baseline].val_loss:
+        label = "the target" if target is not None else "baseline's final val loss"
+        line_at = target if target is not None else runs[baseline].val_loss[-1]
         for ax in (by_step, by_time):
-            ax.axhline(target, color="gray", linestyle=":", linewidth=1, label="baseline's final val loss")
+            ax.axhline(line_at, color="gray", linestyle=":", linewidth=1, label=label)
     by_step.set_title("Validation loss by step")
     by_step.set_xlabel("step (optimizer updates)")
     by_step.set_ylabel("validation loss")
@@ -53,9 +54,11 @@ def plot_comparison(runs: Sequence[Run], baseline: int, path: str | os.PathLike)
     return path
 
 
-def plot_tuned(sides: Sequence[Side], baseline: int, path: str | os.PathLike, title: str = "") -> Path:
+def plot_tuned(sides: Sequence[Side], baseline: int, path: str | os.PathLike, title: str = "",
+               target: tuple[float, str] | None = None) -> Path:
     """Write a PNG of a tuned comparison: validation loss by step and by train time (each side's mean over its
-    seeds at its best lr, with a min-max band), and the sweeps' final loss by lr (when some side swept)."""
+    seeds at its best lr, with a min-max band), and the sweeps' final loss by lr (when some side swept). A dotted
+    line marks ``target`` (its loss and label), else the baseline's mean final loss."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, NullFormatter
@@ -66,7 +69,8 @@ def plot_tuned(sides: Sequence[Side], baseline: int, path: str | os.PathLike, ti
     axes = fig.subplots(1, 3 if swept else 2)
     by_step, by_time = axes[0], axes[1]
     by_time.sharey(by_step)
-    target = float(mean_curve(sides[baseline].seeds).loss_mean[-1])
+    line_at, label = target or (float(mean_curve(sides[baseline].seeds).loss_mean[-1]),
+                                f"{sides[baseline].name}'s mean final val loss (the target)")
     for i, side in enumerate(sides):
         c = mean_curve(side.seeds)
         n = len(side.seeds)
@@ -83,8 +87,7 @@ def plot_tuned(sides: Sequence[Side], baseline: int, path: str | os.PathLike, ti
             axes[2].plot(side.grid, [side.sweep[lr].val_loss[-1] for lr in side.grid], color=line.get_color(),
                          marker="o", label=f"{side.name}: {side.swept.optimizer} lr, seed 0")
     for ax in (by_step, by_time):
-        ax.axhline(target, color="gray", linestyle=":", linewidth=1,
-                   label=f"{sides[baseline].name}'s mean final val loss (the target)")
+        ax.axhline(line_at, color="gray", linestyle=":", linewidth=1, label=label)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
         ax.set_ylabel("validation loss")

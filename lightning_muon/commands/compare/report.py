@@ -76,9 +76,10 @@ class Row:
     throughput_unit: str
 
 
-def summarize(runs: Sequence[Run], baseline: int) -> tuple[list[Row], float | None]:
-    """The table's rows, and the target: the baseline's final validation loss."""
-    target = runs[baseline].val_loss[-1] if runs[baseline].val_loss else None
+def summarize(runs: Sequence[Run], baseline: int, target: float | None = None) -> tuple[list[Row], float | None]:
+    """The table's rows, and the target: ``target`` when given, else the baseline's final validation loss."""
+    if target is None:
+        target = runs[baseline].val_loss[-1] if runs[baseline].val_loss else None
     rows = []
     for i, run in enumerate(runs):
         reached = None if target is None else steps_to_reach(run.val_steps, run.val_loss, target)
@@ -151,19 +152,27 @@ def markdown_report(
     notes: Sequence[str] = (),
     image: str | None = "comparison.png",
     baseline_reason: str | None = None,
+    target: float | None = None,
 ) -> str:
-    """``comparison.md``: the table, what its columns mean, the notes (machine, fits), the command line."""
-    rows, target = summarize(runs, baseline)
+    """``comparison.md``: the table, what its columns mean, the notes (machine, fits), the command line. The
+    "steps to" column is against ``target`` when given, else against the baseline's final validation loss."""
+    given = target is not None
+    rows, target = summarize(runs, baseline, target)
     base = runs[baseline]
     why = baseline_reason or ("its model has muon: null" if base.muon is False else "the last run")
+    if given:
+        goal = f"; the target of the \"steps to\" column is {target:.4f}: the first validation at or below it"
+    elif target is not None:
+        goal = (f"; its final validation loss {target:.4f} is the target of the \"steps to\" column: the first "
+                "validation at or below it")
+    else:
+        goal = "; its final validation loss is unknown (it logged no val_loss)"
     parts = [
         f"# Validation loss: {' vs '.join(r.name for r in runs)}",
         "",
         markdown_table(rows, target),
         "",
-        f"Baseline: **{base.name}** ({why}); its final validation loss"
-        + (f" {target:.4f} is the target of the \"steps to\" column: the first validation at or below it"
-           " (\"not reached\": none)." if target is not None else " is unknown (it logged no val_loss)."),
+        f"Baseline: **{base.name}** ({why}){goal}" + (" (\"not reached\": none)." if target is not None else "."),
         "Steps are optimizer updates. Train time is the wall-clock time of training with validation left out "
         "(`time/train_s` of `lightning_muon.WallClock`); wall time is from the start of training to its "
         "end, validation included. tokens/s is the tokens seen (all ranks) over the train time.",

@@ -35,6 +35,11 @@ seed 0, seeds ``1..N-1`` at its best lr, the logs of each fit in
     lightning-muon compare --sweep --seeds 2 gpt_muon.yaml gpt_adamw.yaml
     lightning-muon compare --from-logs OUT/lightning_logs/gpt_muon OUT/lightning_logs/gpt_adamw   # again
 
+With ``--target LOSS`` (or ``--target NAME``: that config's final val loss, the config fitted first) the "steps
+to" are to that loss, and the fits made once it is known validate more often near it
+(`lightning_muon.commands.compare.target`), so each side's steps are resolved to ``--resolution`` (2%) of
+them; with seeds, each seed's steps are reported, their mean and spread, and how many seeds reached it.
+
 The functions that read logs and compute the tables are pure and take plain
 data, for tests and for use from Python.
 """
@@ -65,6 +70,7 @@ from lightning_muon.commands.compare.report import (
 )
 from lightning_muon.commands.compare.runs import VAL_LOSS, Run, load_run
 from lightning_muon.commands.compare.sweep import MULTIPLIERS, check_multipliers, check_seeds, parse_lrs
+from lightning_muon.commands.compare.target import RESOLUTION, check_resolution, check_target, crossing, parse_target
 from lightning_muon.commands.compare.tuned import run_tuned
 from lightning_muon.commands.compare.tuning import is_side_directory
 
@@ -85,7 +91,7 @@ def _unique_names(configs: Sequence[str]) -> list[str]:
 
 _OWN = {"-h", "--help", "--out", "--max_steps", "--max-steps", "--val_points", "--val-points",
         "--sweep", "--multipliers", "--lrs", "--seeds",
-        "--from-logs", "--from_logs", "--baseline"}
+        "--from-logs", "--from_logs", "--baseline", "--target", "--resolution"}
 
 
 def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -132,6 +138,16 @@ def _parser() -> argparse.ArgumentParser:
                         help="also compare these CSVLogger directories, without training (a directory of a "
                              "config's runs from --sweep/--seeds is one side)")
     parser.add_argument("--baseline", default=None, metavar="NAME", help="the run to measure against, by name")
+    target = parser.add_argument_group(
+        "steps to a target", "the steps each side takes to reach a loss, resolved by validating densely near it")
+    target.add_argument("--target", default=None, metavar="LOSS|NAME",
+                        help="the loss to reach: a number, or a config's (side's) name for its final val loss "
+                             "(its mean over seeds at its best lr; that side is fitted first). Default: the "
+                             "baseline's final val loss, at the resolution of the validations")
+    target.add_argument("--resolution", type=float, default=RESOLUTION, metavar="FRACTION",
+                        help="with --target: the fits close in on the target with validations, the last this "
+                             "fraction of the steps done apart (default: %(default)s: each side's steps resolved "
+                             "to within 2%%)")
     tuned = parser.add_argument_group(
         "tuning", "each config is a side: its lr swept at seed 0 (the Muon lr; an AdamW-only config's AdamW lr), "
         "then more seeds at its best lr; the table is against the tuned baseline's mean final val loss")
@@ -166,19 +182,28 @@ def main(argv: Sequence[str] | None = None) -> list[Row] | list[Outcome]:
     if _tuned(args):
         return run_tuned(args, _unique_names(args.configs), overrides, argv, console)[1]
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
-    runs, fit_lines = fit_all(args, overrides, out / "lightning_logs", console)  # a name .gitignore usually ignores
     try:
-        runs = uniquely_named([*runs, *(load_run(log_dir) for log_dir in args.from_logs)])
-        baseline_index(runs, args.baseline)  # a --baseline that names none of them stops here, not in the report
+        read = [load_run(log_dir) for log_dir in args.from_logs]
     except (ValueError, FileNotFoundError) as error:  # logs without metrics.csv, ...
+        raise SystemExit(f"lightning-muon compare: {error}") from None
+    runs, fit_lines, target = fit_all(args, overrides, out / "lightning_logs", console,  # a name .gitignore
+                                      _named_target(args.target, [], read))  # usually ignores
+    try:
+        runs = uniquely_named([*runs, *read])
+        baseline_index(runs, args.baseline)  # a --baseline that names none of them stops here, not in the report
+    except ValueError as error:
         raise SystemExit(f"lightning-muon compare: {error}") from None
     for run in runs:
         if not run.val_loss:
             console.print(f"compare: {run.name} logged no {VAL_LOSS} ({run.source})")
     notes = [machine_note(load_before), *(f"Fitted {line}" for line in fit_lines)]
     notes += [f"{run.name}: read from {run.source}." for run in runs[len(args.configs):]]
-    rows, target, png = write_report(runs, args.baseline, out, shlex.join(["lightning-muon", "compare", *argv]), notes)
+    reached = target_notes(runs, target, args.target, args.resolution) if args.target is not None else []
+    rows, target, png = write_report(runs, args.baseline, out, shlex.join(["lightning-muon", "compare", *argv]),
+                                     [*notes, *reached], target)
     console.table(rows, target)
+    for line in reached:
+        console.print(line)
     console.print(f"Wrote {png} and {out / 'comparison.md'}")
     return rows
 
@@ -200,6 +225,10 @@ def _checked_arguments(own: list[str]) -> argparse.Namespace:
         if args.seeds is not None:
             check_seeds(args.seeds)
         args.lrs = parse_lrs(args.lrs, _unique_names(args.configs))
+        check_resolution(args.resolution)
+        if args.target is not None:
+            args.target = parse_target(args.target)
+            check_target(args.target, [*_unique_names(args.configs), *(_log_name(d) for d in args.from_logs)])
     except ValueError as error:
         parser.error(str(error))
     if importlib.util.find_spec("matplotlib") is None:  # found out now, not after every fit has run
@@ -213,15 +242,42 @@ def _tuned(args: argparse.Namespace) -> bool:
     return bool(asked) or any(is_side_directory(d) for d in args.from_logs)
 
 
+def _log_name(log_dir: str) -> str:
+    """The name a ``--from-logs`` directory goes by (a ``version_N`` directory: its parent's)."""
+    path = Path(log_dir)
+    return path.parent.name if path.name.startswith("version_") else path.name
+
+
+def _named_target(target: float | str | None, fitted: list[Run], read: list[Run]) -> float | str | None:
+    """``target`` as a loss once it is known: a number as it is, a run's name as that run's final val loss (from
+    ``fitted`` or ``read``; still the name while that run is not fitted yet)."""
+    if not isinstance(target, str):
+        return target
+    run = next((r for r in [*fitted, *read] if r.name == target), None)
+    if run is None:
+        return target
+    if not run.val_loss:
+        raise SystemExit(f"lightning-muon compare: --target {target}: {target} logged no {VAL_LOSS} ({run.source})")
+    return run.val_loss[-1]
+
+
 def fit_all(
-    args: argparse.Namespace, overrides: list[str], log_root: Path, console: _Console
-) -> tuple[list[Run], list[str]]:
+    args: argparse.Namespace, overrides: list[str], log_root: Path, console: _Console,
+    target: float | str | None = None,
+) -> tuple[list[Run], list[str], float | None]:
     """Fit every config in a subprocess of its own (``lightning-muon fit``), logging under ``log_root``; the
-    runs read back, and one line per fit with its command."""
-    runs: list[Run] = []
+    runs read back (in the configs' order), one line per fit with its command, and the target loss. A target
+    named after a config fits that config first; the others validate densely near the target."""
+    names = _unique_names(args.configs)
+    order = sorted(range(len(names)), key=lambda i: names[i] != target)  # the named target's config first
+    runs: dict[int, Run] = {}
     fit_lines: list[str] = []
-    for config, name in zip(args.configs, _unique_names(args.configs), strict=True):
-        fit_args = fit_arguments(config, log_root, name, overrides, args.max_steps, args.val_points)
+    for i in order:
+        config, name = args.configs[i], names[i]
+        target = _named_target(target, list(runs.values()), [])
+        dense = target if isinstance(target, float) else None
+        fit_args = fit_arguments(config, log_root, name, overrides, args.max_steps, args.val_points, dense,
+                                 args.resolution)
         shown = shlex.join(["lightning-muon", "fit", *fit_args])
         fit_lines.append(f"{name}: `{shown}`")
         shutil.rmtree(log_root / name, ignore_errors=True)
@@ -233,18 +289,39 @@ def fit_all(
                 f"lightning-muon compare: the fit of {config} failed (exit code {returncode}); "
                 f"run it alone to see why: {shown}"
             )
-        runs.append(load_run(log_root / name, name))
-    return runs, fit_lines
+        runs[i] = load_run(log_root / name, name)
+    target = _named_target(target, list(runs.values()), [])
+    return [runs[i] for i in range(len(names))], fit_lines, None if isinstance(target, str) else target
+
+
+def target_notes(runs: list[Run], target: float | None, asked: float | str, resolution: float) -> list[str]:
+    """What the target is, and one line per run: where it crossed the target, how finely, at what cost."""
+    if target is None:
+        return []
+    what = f"{asked}'s final val loss {target:.4f}" if isinstance(asked, str) else f"{target:.4f}"
+    lines = [f"Target: {what}. \"Steps to\" is each run's first validation at or below it, and the run reached "
+             "the target between the validation before and that one (below). Fitted with --target, a fit closes in "
+             f"on the target with validations, the last {resolution:.0%} of its steps apart."]
+    for run in runs:
+        found = crossing(run.val_steps, run.val_loss, target)
+        where = ("did not reach it" if found is None else
+                 f"reached it after step {found.before} and by step {found.step} (within {found.width:.1%})")
+        cost = f"{len(run.val_steps)} validations"
+        if run.elapsed_s and run.train_s is not None:
+            cost += f", {(run.elapsed_s - run.train_s) / run.elapsed_s:.0%} of its wall time"
+        lines.append(f"{run.name}: {where}; {cost}.")
+    return lines
 
 
 def write_report(runs: list[Run], chosen: str | None, out: Path, command: str,
-                 notes: list[str]) -> tuple[list[Row], float | None, Path]:
+                 notes: list[str], target: float | None = None) -> tuple[list[Row], float | None, Path]:
     """``comparison.png`` and ``comparison.md`` in ``out``, against the baseline (``chosen`` with --baseline,
-    else the run whose model has ``muon: null``, else the last); the table's rows and target loss, the plot."""
+    else the run whose model has ``muon: null``, else the last) and ``target`` (else the baseline's final val
+    loss); the table's rows and target loss, the plot."""
     baseline = baseline_index(runs, chosen)
     reason = baseline_reason(runs, chosen, baseline)
-    png = plot_comparison(runs, baseline, out / "comparison.png")
-    report = markdown_report(runs, baseline, command, notes, image=png.name, baseline_reason=reason)
+    png = plot_comparison(runs, baseline, out / "comparison.png", target)
+    report = markdown_report(runs, baseline, command, notes, image=png.name, baseline_reason=reason, target=target)
     (out / "comparison.md").write_text(report)
-    rows, target = summarize(runs, baseline)
+    rows, target = summarize(runs, baseline, target)
     return rows, target, png

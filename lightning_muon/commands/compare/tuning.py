@@ -109,14 +109,16 @@ def tune(specs: Sequence[SideSpec], seeds: int, fit: Callable[[SideSpec, float, 
 
 
 def subprocess_fit(log_root: Path, overrides: Sequence[str], max_steps: int | None, val_points: int,
-                   env: Mapping[str, str] | None = None) -> Callable[[SideSpec, float, int], Run]:
+                   env: Mapping[str, str] | None = None, target: float | None = None,
+                   resolution: float = 0.02) -> Callable[[SideSpec, float, int], Run]:
     """The real ``fit`` of `tune`: ``lightning-muon fit`` in a subprocess, its logs in
-    ``log_root/<side>/lr<lr>_seed<seed>/`` and its output in the ``.out`` file beside them."""
+    ``log_root/<side>/lr<lr>_seed<seed>/`` and its output in the ``.out`` file beside them; with a ``target``,
+    validating densely near it (`lightning_muon.commands.compare.fit.fit_arguments`)."""
 
     def fit(spec: SideSpec, lr: float, seed: int) -> Run:
         name = run_name(lr, seed)
         args = fit_arguments(spec.config, log_root / spec.name, name, [*overrides, *seed_arguments(spec, lr, seed)],
-                             max_steps, val_points)
+                             max_steps, val_points, target, resolution)
         shutil.rmtree(log_root / spec.name / name, ignore_errors=True)
         output = log_root / spec.name / f"{name}.out"
         returncode = fit_in_subprocess(args, output, env)
