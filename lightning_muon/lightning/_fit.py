@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_muon.lightning import _checkpoint, _checks, _compat, _finetuning, _first_batch
 from lightning_muon.lightning._config import MuonConfig
 from lightning_muon.lightning._late import stepped
-from lightning_muon.lightning._pair import OptimizerPair, layout_of, saved_added_members
+from lightning_muon.lightning._pair import OptimizerPair, conform_structure, layout_of, saved_added_members
 from lightning_muon.lightning._update_loop import UpdateSettings
 from lightning_muon.optim.groups import ns_dtype_line
 from lightning_muon.routing import MUON, GraphRoles, Routing, loss_in, trace_step
@@ -113,6 +113,8 @@ class FitState:
         self.resumed: dict[str, Any] | None = None
         #: The parameters no batch has reached yet whose route a batch could change (``None``: not worked out yet).
         self._waiting: list[str] | None = None
+        #: Whether the Muon groups' matrix structure was checked against the routing after the states loaded.
+        self._structure_conformed = False
         #: The global step of the fit's first followed batch, from which `_first_batch.UNREACHED_UPDATES` count.
         self._following_since: int | None = None
         #: Whether the fit stopped following batches with parameters still unreached (said once, as a warning).
@@ -196,6 +198,9 @@ class FitState:
         every optimizer holds its part of the groups added so far."""
         if self.pair is not None:
             self.pair.add_waiting()
+            if not self._structure_conformed:  # after a resumed checkpoint's param groups loaded
+                self._structure_conformed = True
+                conform_structure(self.pair, self.pair.routing())
 
     def follows(self, module: LightningModule, roles: GraphRoles | None) -> bool:
         """Whether the fit follows this training batch: its first (``roles`` is ``None``), or, while the batches so

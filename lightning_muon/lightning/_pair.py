@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_muon.lightning._late import LaterGroups, Layout, held_tensors
-from lightning_muon.optim.groups import MATRIX_BLOCKS, MATRIX_LAYOUTS, NAME, PARAM_NAMES
+from lightning_muon.optim.groups import MATRIX_BLOCKS, MATRIX_LAYOUTS, NAME, PARAM_NAMES, blocks_of, layouts_of
 from lightning_muon.routing import ADAMW, MUON, Algorithm, Group, Routing
 
 if TYPE_CHECKING:
@@ -477,3 +477,53 @@ def saved_added_members(saved: dict[str, Any]) -> set[str]:
 def _describe(layout: Layout) -> str:
     """``[hidden: 2, unfrozen_1: 1]``: each group's name and how many parameters it holds."""
     return "[" + ", ".join(f"{name}: {len(names)}" for name, names in layout) + "]"
+
+
+
+def conform_structure(pair: OptimizerPair, routing: Routing) -> None:
+    """Give each Muon group the matrix structure (``matrix_layouts``, ``matrix_blocks``) ``routing`` gives its
+    parameters now, where a resumed checkpoint's param groups brought another: torch's ``load_state_dict`` takes the
+    saved groups' keys, so a checkpoint saved before a routing change (an LSTM's gates split, a grouped kernel per
+    group, ``split_fused`` or ``matrix_blocks`` changed) would go on stepping as it was saved while the table says
+    otherwise. The momentum buffers are the whole parameters' and carry over; an update rule's state shaped by the
+    old layout cannot, and such a resume is refused. Said once, naming the parameters."""
+    muon = pair.optimizers.get(MUON)
+    if muon is None:
+        return
+    wanted = {g[NAME]: g for g in pair._wanted(routing).get(MUON, [])}
+    changed = []
+    for group in muon.param_groups:
+        want = wanted.get(group.get(NAME))
+        if want is not None and [n for n, _ in want["params"]] == group.get(PARAM_NAMES):
+            changed += _conform_group(muon, group, want)
+        # (groups the fit arranged otherwise, added or late ones, stay as they are)
+    if changed:
+        rank_zero_warn(
+            "MuonMixin: the checkpoint's Muon param groups were saved with another matrix structure than the routing "
+            f"gives now; resuming with the routing's (the momentum buffers carry over): {', '.join(changed[:10])}"
+            + (f" and {len(changed) - 10} more" if len(changed) > 10 else "")
+        )
+
+
+def _conform_group(muon: Optimizer, group: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """`conform_structure` of one group: the parameters whose layout or blocks changed, in words."""
+    layouts, blocks, new_layouts, new_blocks = layouts_of(group), blocks_of(group), layouts_of(want), blocks_of(want)
+    if (layouts, blocks) == (new_layouts, new_blocks):
+        return []
+    changed = []
+    for i, name in enumerate(group[PARAM_NAMES]):
+        rule_state = sorted(k for k in muon.state.get(group["params"][i], {}) if k != "momentum_buffer")
+        if layouts[i] != new_layouts[i] and rule_state:
+            raise MisconfigurationException(
+                f"The checkpoint's Muon state of `{name}` was made with its matrices laid out as {layouts[i]!r}; the "
+                f"routing now lays them out as {new_layouts[i]!r}, and its update rule's state ({rule_state}) cannot "
+                "follow. Resume with the lightning_muon version that saved it, or start a new fit from these weights."
+            )
+        if (layouts[i], blocks[i]) != (new_layouts[i], new_blocks[i]):
+            changed.append(f"{name} (blocks {blocks[i]} -> {new_blocks[i]})")
+    for key in (MATRIX_LAYOUTS, MATRIX_BLOCKS):
+        if key in want:
+            group[key] = list(want[key])
+        else:
+            group.pop(key, None)
+    return changed

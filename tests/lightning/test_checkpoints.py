@@ -228,3 +228,27 @@ def test_a_resume_into_a_model_built_differently_names_every_added_removed_and_r
     assert "  net.4.weight: 1x24 in the checkpoint, 24x24 in this model" in lines
     assert "  net.4.bias: 1 in the checkpoint, 24 in this model" in lines
     assert not [line for line in lines if line.startswith("  net.2")]  # only the differences
+
+
+def test_a_checkpoint_saved_with_another_matrix_structure_resumes_with_the_routing_s(tmp_path):
+    """torch's load_state_dict takes a saved param group's keys: a checkpoint saved before the routing split a matrix
+    into blocks (an LSTM's gates, a grouped kernel: this release's defaults) would step it whole again while the
+    table says per block. The resume gives the groups the routing's structure, says so, and ends where the fit
+    saved with the blocks does (bit for bit); the momentum buffers carry over."""
+    blocks = {"matrix_blocks": {"net.2.weight": [16, 8]}}
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    straight = MuonRegression(**blocks)
+    make_trainer(tmp_path / "straight", max_epochs=2, enable_checkpointing=True, callbacks=[checkpoints]).fit(straight)
+    checkpoint = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)
+    (group,) = checkpoint["optimizer_states"][0]["param_groups"]
+    del group["matrix_blocks"]  # as saved before the routing split it
+    torch.save(checkpoint, tmp_path / "older.ckpt")
+
+    resumed = MuonRegression(**blocks)
+    with pytest.warns(UserWarning, match=r"resuming with the routing's .*net\.2\.weight \(blocks None -> \[16, 8\]\)"):
+        make_trainer(tmp_path / "resumed", max_epochs=2).fit(resumed, ckpt_path=tmp_path / "older.ckpt")
+    (muon, _) = raw_optimizers(resumed)
+    assert muon.param_groups[0]["matrix_blocks"] == [[16, 8]]
+    expected, final = snapshot(straight), snapshot(resumed)
+    for name in expected:
+        assert torch.equal(final[name], expected[name]), name
