@@ -10,6 +10,8 @@ conventionally left to AdamW; ``muon_params=["stem.weight"]`` would put it on Mu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import lightning as L
 import torch
 from torch import Tensor, nn
@@ -87,6 +89,18 @@ def conv_block(in_channels: int, out_channels: int, stride: int = 1) -> nn.Seque
     )
 
 
+def two_stages(channels: int, blocks_per_stage: int,
+               block: Callable[[int, int, int], nn.Module]) -> nn.Sequential:
+    """``blocks_per_stage`` blocks ``block(in_channels, out_channels, stride)`` at ``channels``, then as many at
+    twice the channels, the first of them at stride 2 (8x8 maps, then 4x4)."""
+    if channels < 1 or blocks_per_stage < 1:
+        raise ValueError(f"channels and blocks_per_stage must be >= 1, got {channels!r} and {blocks_per_stage!r}")
+    widths = [channels] * blocks_per_stage + [2 * channels] * blocks_per_stage
+    strides = [1] * blocks_per_stage + [2] + [1] * (blocks_per_stage - 1)
+    layers = zip([channels, *widths[:-1]], widths, strides, strict=True)
+    return nn.Sequential(*(block(c_in, c_out, s) for c_in, c_out, s in layers))
+
+
 class DigitsClassifier(L.LightningModule):
     """The steps of a 10-class classifier on ``(images, labels)`` batches: cross-entropy of ``forward``'s logits
     ``(batch, 10)``, logged as ``train_loss``, ``val_loss``, ``val_acc`` and ``test_acc`` (top-1 accuracy). `CNN`
@@ -132,15 +146,10 @@ class CNN(DigitsClassifier):
 
     def __init__(self, channels: int = 32, blocks_per_stage: int = 2, dropout: float = 0.0) -> None:
         super().__init__()
-        if channels < 1 or blocks_per_stage < 1:
-            raise ValueError(f"channels and blocks_per_stage must be >= 1, got {channels!r} and {blocks_per_stage!r}")
         self.save_hyperparameters()
         self.stem = nn.Conv2d(1, channels, 3, padding=1, bias=False)
         self.stem_norm = nn.BatchNorm2d(channels)
-        widths = [channels] * blocks_per_stage + [2 * channels] * blocks_per_stage
-        strides = [1] * blocks_per_stage + [2] + [1] * (blocks_per_stage - 1)
-        layers = zip([channels, *widths[:-1]], widths, strides, strict=True)
-        self.blocks = nn.Sequential(*(conv_block(c_in, c_out, s) for c_in, c_out, s in layers))
+        self.blocks = two_stages(channels, blocks_per_stage, conv_block)
         self.dropout = nn.Dropout(dropout)
         self.classifier = nn.Linear(2 * channels, NUM_CLASSES)
 

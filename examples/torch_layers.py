@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from lightning_muon import MuonMixin
 from lightning_muon.examples.char_gpt import VOCAB_SIZE, ByteLM
-from lightning_muon.examples.digits_cnn import NUM_CLASSES, DigitsClassifier, DigitsDataModule
+from lightning_muon.examples.digits_cnn import NUM_CLASSES, DigitsClassifier, DigitsDataModule, two_stages
 from lightning_muon.examples.text_data import StdlibTextDataModule
 
 __all__ = [
@@ -55,15 +55,10 @@ class SeparableCNN(DigitsClassifier):
 
     def __init__(self, channels: int = 32, blocks_per_stage: int = 2) -> None:
         super().__init__()
-        if channels < 1 or blocks_per_stage < 1:
-            raise ValueError(f"channels and blocks_per_stage must be >= 1, got {channels!r} and {blocks_per_stage!r}")
         self.save_hyperparameters()
         self.stem = nn.Conv2d(1, channels, 3, padding=1, bias=False)
         self.stem_norm = nn.BatchNorm2d(channels)
-        widths = [channels] * blocks_per_stage + [2 * channels] * blocks_per_stage
-        strides = [1] * blocks_per_stage + [2] + [1] * (blocks_per_stage - 1)
-        layers = zip([channels, *widths[:-1]], widths, strides, strict=True)
-        self.blocks = nn.Sequential(*(separable_block(c_in, c_out, s) for c_in, c_out, s in layers))
+        self.blocks = two_stages(channels, blocks_per_stage, separable_block)
         self.classifier = nn.Linear(2 * channels, NUM_CLASSES)
 
     def forward(self, images: Tensor) -> Tensor:
