@@ -18,7 +18,8 @@ The command line (``lightning-muon``) is an interface of its own.
 
 Names load on first use, so ``from lightning_muon import Muon`` (or ``import
 lightning_muon.optim``, or ``MuonWithAdamW``) needs torch only: Lightning is imported
-by the names that need it (`MuonMixin`, `muon_subclass`, `MuonMonitor`, `QKClip`, `WallClock`).
+by the names that need it (`MuonMixin`, `muon_subclass`, `MuonMonitor`, `QKClip`, `WallClock`,
+`MomentumSchedule`, `WeightDecaySchedule`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_muon.callbacks import MuonMonitor, QKClip, WallClock
+    from lightning_muon.callbacks import MomentumSchedule, MuonMonitor, QKClip, WallClock, WeightDecaySchedule
     from lightning_muon.combined import MuonWithAdamW
     from lightning_muon.lightning import MuonBackboneFinetuning, MuonMixin, muon_subclass
     from lightning_muon.optim import (
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 #: Each public name and the subpackage that defines it.
 _EXPORTS = {
     "GraphRoles": "lightning_muon.routing",
+    "MomentumSchedule": "lightning_muon.callbacks",
     "Muon": "lightning_muon.optim",
     "MuonBackboneFinetuning": "lightning_muon.lightning",
     "MuonMixin": "lightning_muon.lightning",
@@ -54,6 +56,7 @@ _EXPORTS = {
     "Routing": "lightning_muon.routing",
     "WallClock": "lightning_muon.callbacks",
     "WarmupCosine": "lightning_muon.optim",
+    "WeightDecaySchedule": "lightning_muon.callbacks",
     "adjust_lr": "lightning_muon.optim",
     "orthogonality_error": "lightning_muon.optim",
     "route_parameters": "lightning_muon.routing",
@@ -64,6 +67,7 @@ _EXPORTS = {
 
 __all__ = [
     "GraphRoles",
+    "MomentumSchedule",
     "Muon",
     "MuonBackboneFinetuning",
     "MuonMixin",
@@ -74,6 +78,7 @@ __all__ = [
     "Routing",
     "WallClock",
     "WarmupCosine",
+    "WeightDecaySchedule",
     "adjust_lr",
     "muon_subclass",
     "orthogonality_error",

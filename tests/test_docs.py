@@ -270,6 +270,8 @@ RUN = {
     "lightning_muon.callbacks.monitor.MuonMonitor#0": ("MuonMonitor",),
     "lightning_muon.callbacks.qk_clip.QKClip#0": ("QKClip", "CSVLogger"),
     "lightning_muon.callbacks.clock.WallClock#0": ("WallClock", "CSVLogger"),
+    "lightning_muon.callbacks.schedules.MomentumSchedule#0": ("MomentumSchedule",),
+    "lightning_muon.callbacks.schedules.WeightDecaySchedule#0": ("WeightDecaySchedule",),
     "lightning_muon.attention.layout.QKLayout#0": ("nn", "F", "QKLayout", "QKProjection", "record_qk"),
     "lightning_muon.lightning.mixin#0": ("MuonMixin", "MyExistingModule"),
     # the core classes' examples stand alone: they import what they use
@@ -336,7 +338,7 @@ def test_a_docstring_example_runs(key, monkeypatch, tmp_path, capsys):
     from lightning.pytorch.loggers import CSVLogger
     from torch import nn
 
-    from lightning_muon import MuonMixin, MuonMonitor, QKClip, WallClock
+    from lightning_muon import MomentumSchedule, MuonMixin, MuonMonitor, QKClip, WallClock, WeightDecaySchedule
     from lightning_muon.attention import QKLayout, QKProjection, record_qk
 
     class MyExistingModule(L.LightningModule):
@@ -345,7 +347,8 @@ def test_a_docstring_example_runs(key, monkeypatch, tmp_path, capsys):
     available = {"MuonMonitor": MuonMonitor, "QKClip": QKClip, "WallClock": WallClock, "CSVLogger": CSVLogger,
                  "nn": nn, "F": F, "QKLayout": QKLayout, "QKProjection": QKProjection, "record_qk": record_qk,
                  "MuonMixin": MuonMixin, "MyExistingModule": MyExistingModule, "functools": functools,
-                 "lightning_muon": lightning_muon}
+                 "lightning_muon": lightning_muon, "MomentumSchedule": MomentumSchedule,
+                 "WeightDecaySchedule": WeightDecaySchedule}
     monkeypatch.chdir(tmp_path)  # a Trainer or a logger that writes anything writes it here
     namespace = {"L": L, **{name: available[name] for name in RUN[key]}}
     code = docstring_blocks()[key][1]

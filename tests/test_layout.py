@@ -278,8 +278,8 @@ def test_the_public_api_is_the_top_level():
     import lightning_muon
 
     assert sorted(lightning_muon.__all__) == [
-        "GraphRoles", "Muon", "MuonBackboneFinetuning", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics",
-        "QKClip", "Routing", "WallClock", "WarmupCosine",
+        "GraphRoles", "MomentumSchedule", "Muon", "MuonBackboneFinetuning", "MuonMixin", "MuonMonitor",
+        "MuonWithAdamW", "ParamDiagnostics", "QKClip", "Routing", "WallClock", "WarmupCosine", "WeightDecaySchedule",
         "adjust_lr", "muon_subclass", "orthogonality_error", "route_parameters", "trace_roles",
         "zeropower_via_newtonschulz",
     ]

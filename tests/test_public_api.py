@@ -25,9 +25,10 @@ PACKAGE = Path(lightning_muon.__file__).parent
 #: is changing the API: do it on purpose.
 PUBLIC = {
     "lightning_muon": [
-        "GraphRoles", "Muon", "MuonBackboneFinetuning", "MuonMixin", "MuonMonitor", "MuonWithAdamW", "ParamDiagnostics",
-        "QKClip", "Routing", "WallClock", "WarmupCosine", "adjust_lr", "muon_subclass", "orthogonality_error",
-        "route_parameters", "trace_roles", "zeropower_via_newtonschulz",
+        "GraphRoles", "MomentumSchedule", "Muon", "MuonBackboneFinetuning", "MuonMixin", "MuonMonitor",
+        "MuonWithAdamW", "ParamDiagnostics", "QKClip", "Routing", "WallClock", "WarmupCosine", "WeightDecaySchedule",
+        "adjust_lr", "muon_subclass", "orthogonality_error", "route_parameters", "trace_roles",
+        "zeropower_via_newtonschulz",
     ],
     "lightning_muon.attention": [
         "AttentionSite", "QKClipStats", "QKClipper", "QKLayout", "QKProjection", "UnsupportedAttentionError",
@@ -56,7 +57,7 @@ PUBLIC = {
     "lightning_muon.combined": ["MuonWithAdamW", "merge_state_dicts", "split_state_dict"],
     "lightning_muon.lightning": ["MuonBackboneFinetuning", "MuonMixin", "SKIPPED_STEPS_KEY", "consolidate",
                                  "muon_subclass"],
-    "lightning_muon.callbacks": ["MuonMonitor", "QKClip", "WallClock"],
+    "lightning_muon.callbacks": ["MomentumSchedule", "MuonMonitor", "QKClip", "WallClock", "WeightDecaySchedule"],
     "lightning_muon.commands": ["main"],
     "lightning_muon.commands.compare": ["main"],
 }

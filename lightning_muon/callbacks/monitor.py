@@ -18,6 +18,10 @@ Every ``log_every_n_steps`` updates it logs, in `LearningRateMonitor`'s key sche
   squared update ``v``) and ``muon/normuon_row_scale_ratio`` (per matrix, the
   largest over the smallest ``1 / (sqrt(v) + 1e-8)``, averaged over matrices:
   how unequally NorMuon scales the rows; 1 would mean it changes nothing);
+- ``momentum-Muon/<group>`` and ``weight_decay-<OptimizerClass>/<group>`` (the ``lr-*`` key with ``momentum``
+  or ``weight_decay`` in place of ``lr``) for every group a `MomentumSchedule` or `WeightDecaySchedule` among the
+  callbacks moves: the value the update used, on every row the monitor writes (a setting no schedule moves stays
+  as configured and is not logged);
 - ``muon/skipped_steps`` once `MuonMixin` has skipped an update: the mixin's count
   (``muon_skipped_updates``), which the mixin logs itself at the trainer's
   ``log_every_n_steps``; the monitor writes it into its own rows too, so every
@@ -50,6 +54,7 @@ from typing_extensions import override
 
 from lightning_muon.callbacks._checks import check_optional_count, require_logger
 from lightning_muon.callbacks.metrics import OrthogonalityError, UpdateRMS
+from lightning_muon.callbacks.schedules import _GroupSchedule
 from lightning_muon.combined import MuonWithAdamW
 from lightning_muon.lightning import SKIPPED_STEPS_KEY, _compat
 from lightning_muon.lightning.mixin import MuonMixin
@@ -196,6 +201,7 @@ class MuonMonitor(Callback):
                 "learning rates only. Train with MuonMixin (muon=...) to see Muon's diagnostics."
             )
         self._names = {id(p): n for n, p in pl_module.named_parameters()}
+        self._schedules = [c for c in _compat.trainer_callbacks(trainer) if isinstance(c, _GroupSchedule)]
         self._error = OrthogonalityError().to(pl_module.device)
         self._rms = UpdateRMS().to(pl_module.device)
         self._round = 0
@@ -231,6 +237,17 @@ class MuonMonitor(Callback):
         if effective:
             metrics["muon/effective_lr_min"] = min(effective)
             metrics["muon/effective_lr_max"] = max(effective)
+        return metrics
+
+    def _scheduled(self) -> dict[str, float]:
+        """The settings the schedule callbacks move, per group (what the update used: they change before steps)."""
+        metrics = {}
+        for schedule in self._schedules:
+            for optimizer, keys in zip(self._optimizers, lr_keys(self._optimizers), strict=True):
+                for group, key in zip(optimizer.param_groups, keys, strict=True):
+                    if schedule.moves(optimizer, group):
+                        name = schedule.hyperparameter + key.removeprefix("lr")
+                        metrics[name] = float(group[schedule.hyperparameter])
         return metrics
 
     def _choose(self, optimizer: Optimizer) -> list[Tensor]:
@@ -289,6 +306,7 @@ class MuonMonitor(Callback):
                 for d in diagnosed:
                     metrics[f"muon/orthogonality_error/{d.name}"] = d.orthogonality_error.item()
         metrics.update(_normuon_metrics(self._muon))
+        metrics.update(self._scheduled())
         if isinstance(pl_module, MuonMixin) and pl_module.muon_skipped_updates:
             metrics[SKIPPED_STEPS_KEY] = float(pl_module.muon_skipped_updates)
         for logger in trainer.loggers:
