@@ -218,14 +218,17 @@ def zeropower_via_newtonschulz(
     Args:
         G: one matrix ``(m, n)`` or a stack ``(..., m, n)``.
         ns_coefficients: ``(a, b, c)`` of the step ``X <- a X + (b A + c A^2) X`` above, or
-            ``"polar_express"`` (one ``(a, b, c)`` per step, Amsel et al. 2025).
+            ``"polar_express"`` (one ``(a, b, c)`` per step, Amsel et al. 2025), or ``"turbo_muon"`` (Turbo-Muon's
+            five, of which ``n`` steps run the last ``n``).
         ns_steps: number of iterations (``0 <= ns_steps < 100``).
         eps: floor of the Frobenius norm used to normalise each matrix.
         dtype: compute dtype; ``torch.bfloat16`` (fast where the hardware has
             bf16 matmuls) or ``torch.float32``.
-        ns_precondition: ``None``: scale by the Frobenius norm. ``"aol"``: Turbo-Muon's AOL row scaling
-            (`aol_scale`) instead, its Gram matrix reused by the first step (the same matrix products as
-            ``None``); a lone matrix then runs the batched kernels (never ``torch.optim.Muon``'s bits).
+        ns_precondition: ``None``: scale by the Frobenius norm. ``"aol"``: Turbo-Muon's AOL scaling instead
+            (each row of the wide matrix by one over the square root of its Gram row's absolute sum), its Gram
+            matrix reused by the first step (the same matrix products as ``None``); a lone matrix then runs the
+            batched kernels (never ``torch.optim.Muon``'s bits). Boissin et al. 2025 pair it with
+            ``ns_coefficients="turbo_muon"`` and 4 steps.
     """
     _check_input(G, ns_steps, ns_precondition)
     schedule, factor = coefficient_schedule(ns_coefficients, ns_steps)
