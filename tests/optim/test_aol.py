@@ -6,10 +6,12 @@ their Gram rows' absolute sums, then the plain iteration), and the exact polar f
 
 from __future__ import annotations
 
+import functools
 import io
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_muon import Muon, MuonWithAdamW
 from lightning_muon.optim.newton_schulz import (
@@ -20,6 +22,8 @@ from lightning_muon.optim.newton_schulz import (
     gram_newton_schulz,
     zeropower_via_newtonschulz,
 )
+
+from helpers import MuonRegression, make_trainer, raw_optimizers
 
 #: Tall, wide, square-ish, a lone matrix and a stack; (4:1 and 9:1 also run the Gram iteration in Muon).
 SHAPES = {"wide-4": (32, 128), "tall-4": (128, 32), "square": (64, 64), "stack-tall-3": (3, 96, 32)}
@@ -190,3 +194,19 @@ def test_muon_with_adamw_forwards_the_preconditioner():
     assert opt.muon is not None and {g["ns_precondition"] for g in opt.muon.param_groups} == {"aol"}
     with pytest.raises(ValueError, match="cannot run on the exact path"):
         MuonWithAdamW.from_model(model, ns_precondition="aol", ns_batch_bytes=0)
+
+
+def test_the_mixin_trains_with_aol_and_its_checkpoint_keeps_the_setting(tmp_path):
+    """Through the Muon factory of a real Trainer fit (the path YAML's ``--model.muon.init_args`` takes): the
+    hidden matrix steps with AOL, and the checkpoint's param group and hyperparameters keep the setting."""
+    muon = functools.partial(Muon, lr=0.02, ns_precondition="aol", ns_coefficients="turbo_muon", ns_steps=4)
+    model = MuonRegression(muon=muon)
+    make_trainer(tmp_path, max_epochs=1, enable_checkpointing=True,
+                 callbacks=[ModelCheckpoint(dirpath=tmp_path, filename="last")]).fit(model)
+    optimizer = raw_optimizers(model)[0]
+    assert isinstance(optimizer, Muon)
+    assert {g["ns_precondition"] for g in optimizer.param_groups} == {"aol"}
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    (group,) = checkpoint["optimizer_states"][0]["param_groups"]
+    assert (group["ns_precondition"], group["ns_coefficients"], group["ns_steps"]) == ("aol", "turbo_muon", 4)
+    assert checkpoint["hyper_parameters"]["muon"]["init_args"]["ns_precondition"] == "aol"
