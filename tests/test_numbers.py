@@ -54,6 +54,16 @@ FIGURES = [
     ("docs/guides/optimizer.md", "| 1.4966 ± 0.0137 | -0.0065 (-0.0041, -0.0089) |", "muon_variants_models.md"),
     ("docs/guides/optimizer.md", "| 1.5076 ± 0.0173 | +0.0045 (+0.0044, +0.0046) |", "muon_variants_models.md"),
     ("docs/guides/optimizer.md", "| 1.4928 ± 0.0080 | +0.0027 (+0.0066, -0.0013) |", "muon_variants_models.md"),
+    ("docs/guides/optimizer.md", "| 768x256, noise 0.3 | 0.129/0.306 | 0.190/0.318 | 0.175/0.318 | 0.026/0.140 | "
+     "0.016/0.032 | 0.015/0.032 |", "aol.md"),
+    ("docs/guides/optimizer.md", "| 768x256, noise 0.1 | 0.255/0.628 | 0.165/0.318 | 0.130/0.318 | 0.109/0.333 | "
+     "0.062/0.145 | 0.017/0.044 |", "aol.md"),
+    ("docs/guides/optimizer.md", "| 768x256, noise 0.03 | 0.714/0.886 | 0.245/0.615 | 0.447/0.749 | 0.507/0.785 | "
+     "0.233/0.610 | 0.091/0.213 |", "aol.md"),
+    ("docs/guides/optimizer.md", "| GPT 512x128 | 0.180/0.986 | 0.179/0.951 | 0.164/0.975 | 0.067/0.979 | "
+     "0.036/0.950 | 0.023/0.912 |", "aol.md"),
+    ("docs/guides/optimizer.md", "(0.067 against 0.179)", "aol.md"),
+    ("docs/guides/optimizer.md", "(0.507 against 0.245)", "aol.md"),
     ("docs/guides/routing.md", "1.6348 ± 0.0002 against 1.6574 ± 0.0010", "muon_variants_models.md"),
     ("docs/guides/routing.md", "1.4867 ± 0.0182 against 1.4901 ± 0.0135", "muon_variants_models.md"),
     ("docs/benchmarks.md", "GPT-2 -0.0226 (-0.0220, -0.0232), litgpt's GQA qkv -0.0001, Qwen3-MoE's `gate_up_proj` "

@@ -89,6 +89,7 @@ class MuonWithAdamW(Optimizer):
         ns_dtype: Newton-Schulz's dtype; ``None``: bf16 where the device computes it natively, else float32.
         ns_batch_bytes: most bytes of one batched Newton-Schulz call (``0``: one matrix at a time, as torch's).
         ns_gram_aspect: matrices this many times longer than wide use Gram Newton-Schulz (``None``: never).
+        ns_precondition: ``"aol"``: Turbo-Muon's AOL preconditioning before Newton-Schulz; ``None``: Frobenius.
         split_ns: under DDP, FSDP2 or tensor parallelism, split the Newton-Schulz work over the ranks.
         process_group: the group the DDP split runs over (default: the default group).
         device_mesh: the mesh of DTensor parameters, when it cannot be read from them.
@@ -131,6 +132,7 @@ class MuonWithAdamW(Optimizer):
         ns_dtype: torch.dtype | str | None = PAIRED_MUON.ns_dtype,
         ns_batch_bytes: int | None = PAIRED_MUON.ns_batch_bytes,
         ns_gram_aspect: float | None = PAIRED_MUON.ns_gram_aspect,
+        ns_precondition: str | None = PAIRED_MUON.ns_precondition,
         split_ns: bool = PAIRED_MUON.split_ns,
         process_group: ProcessGroup | None = None,
         device_mesh: DeviceMesh | None = None,
@@ -147,7 +149,8 @@ class MuonWithAdamW(Optimizer):
                 "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
                 "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
                 "ns_dtype": ns_dtype, "ns_batch_bytes": ns_batch_bytes, "ns_gram_aspect": ns_gram_aspect,
-                "split_ns": split_ns, "process_group": process_group, "device_mesh": device_mesh,
+                "ns_precondition": ns_precondition, "split_ns": split_ns, "process_group": process_group,
+                "device_mesh": device_mesh,
                 "exchange_round_bytes": exchange_round_bytes, "normuon_beta2": normuon_beta2,
                 "cautious_weight_decay": cautious_weight_decay,
             },

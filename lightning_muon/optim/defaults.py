@@ -41,6 +41,8 @@ class MuonDefaults:
     ns_dtype: torch.dtype | None = None
     ns_batch_bytes: int | None = None
     ns_gram_aspect: float | None = DEFAULT_GRAM_ASPECT
+    #: ``None``: Frobenius normalisation; ``"aol"``: Turbo-Muon's AOL preconditioning (`newton_schulz.aol_scale`).
+    ns_precondition: str | None = None
     split_ns: bool = True
     exchange_round_bytes: int = EXCHANGE_ROUND_BYTES
     normuon_beta2: float | None = None

@@ -274,6 +274,7 @@ def ns_settings(group: dict[str, Any]) -> dict[str, Any]:
         "ns_steps": group["ns_steps"],
         "eps": group["eps"],
         "dtype": ns_dtype(group),
+        "ns_precondition": group.get("ns_precondition"),
     }
 
 

@@ -53,7 +53,7 @@ from lightning_muon.optim._given import GivenShapes
 from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES
 from lightning_muon.optim.defaults import DEFAULT_GRAM_ASPECT, MUON_CLASS
 from lightning_muon.optim.groups import ADJUST_LR_FNS, adjust_lr, is_count
-from lightning_muon.optim.newton_schulz import NS_COEFFICIENT_SCHEDULES
+from lightning_muon.optim.newton_schulz import NS_COEFFICIENT_SCHEDULES, NS_PRECONDITIONERS
 from lightning_muon.optim.rules import CautiousWeightDecay, NorMuon, rules_for
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ _OWN_GROUP_KEYS: dict[str, Any] = {
     "ns_dtype": MUON_CLASS.ns_dtype,
     "ns_batch_bytes": MUON_CLASS.ns_batch_bytes,
     "ns_gram_aspect": MUON_CLASS.ns_gram_aspect,
+    "ns_precondition": MUON_CLASS.ns_precondition,
     "normuon_beta2": MUON_CLASS.normuon_beta2,
     "cautious_weight_decay": MUON_CLASS.cautious_weight_decay,
 }
@@ -100,6 +101,11 @@ _CHECKS: dict[str, tuple[str, Callable[[Any], Any], str]] = {
     ),
     "ns_gram_aspect": (
         "ns_gram_aspect", lambda v: v is None or (_is_number(v) and v >= 1), "must be None or a number >= 1"
+    ),
+    "ns_precondition": (
+        "ns_precondition",
+        lambda v: v is None or v in NS_PRECONDITIONERS,
+        f"must be None or one of {NS_PRECONDITIONERS}",
     ),
     "ns_steps": ("ns_steps", lambda v: is_count(v) and v < 100, "must be an int in [1, 100); the default is 5"),
     "ns_dtype": (
@@ -150,6 +156,15 @@ def _check_group(group: dict[str, Any], first_index: int, choice: StrategyChoice
             f"matrix_blocks must be a list with None or a list of block sizes per parameter of the group ({count}), "
             f"got {blocks!r}"
         )
+    if group.get("ns_precondition") is not None and groups.on_exact_path(group):
+        raise ValueError(
+            f"ns_precondition={group['ns_precondition']!r} cannot run on the exact path (ns_batch_bytes=0 steps with "
+            "torch.optim.Muon's kernels, which normalise by the Frobenius norm); set ns_batch_bytes=None or > 0, "
+            "or ns_precondition=None"
+        )
+    if not (group.get("ns_precondition") is None or group["ns_precondition"] in NS_PRECONDITIONERS):
+        raise ValueError(f"Invalid ns_precondition: {group['ns_precondition']!r} "
+                         f"(must be None or one of {NS_PRECONDITIONERS})")
     chosen = rules_for(group)
     for rule in chosen:
         if not rule.valid(group[rule.key]):
@@ -263,7 +278,8 @@ class Muon(Optimizer):
         momentum: momentum factor.
         nesterov: use Nesterov momentum.
         ns_coefficients: ``(a, b, c)`` of the quintic (default: Keller Jordan's), or ``"polar_express"``
-            (Amsel et al. 2025: per-iteration coefficients, singular values much closer to 1).
+            (Amsel et al. 2025: per-iteration coefficients, singular values much closer to 1), or
+            ``"turbo_muon"`` (the schedule Turbo-Muon pairs with ``ns_precondition="aol"``).
         eps: floor of the norm that normalises each matrix.
         ns_steps: Newton-Schulz iterations.
         adjust_lr_fn: shape scaling of the lr, see `adjust_lr`: ``None``/``"original"``,
@@ -280,6 +296,14 @@ class Muon(Optimizer):
             (the same iteration on the small Gram matrix, fewer FLOPs); ``None``: never; never on the
             exact path (``ns_batch_bytes=0``). The default, 3, is the aspect from
             which it measured faster.
+        ns_precondition: ``None`` (default): each matrix is scaled by its Frobenius norm before the
+            iteration. ``"aol"``: Turbo-Muon's AOL preconditioning (Boissin et al. 2025) instead: each row of
+            the wide matrix scaled by one over the square root of its Gram row's absolute sum, that Gram
+            reused by the first iteration (no extra product); small singular values start nearer to 1. The
+            paper runs it with ``ns_coefficients="turbo_muon"`` and ``ns_steps=4``; with the default
+            coefficients it does not replace a step (the optimizer guide's table).
+            Standard and Gram iterations, every dtype and strategy; refused on the exact path
+            (``ns_batch_bytes=0``, ``torch.optim.Muon``'s kernels).
         split_ns: under DDP (an initialised process group of several ranks and plain, replicated
             parameters) each rank orthogonalises a share of the matrices, balanced by FLOPs, and the
             results are all-gathered (one copy of the updates in ``ns_dtype``); every rank still keeps
@@ -328,6 +352,7 @@ class Muon(Optimizer):
         ns_dtype: torch.dtype | str | None = MUON_CLASS.ns_dtype,
         ns_batch_bytes: int | None = MUON_CLASS.ns_batch_bytes,
         ns_gram_aspect: float | None = MUON_CLASS.ns_gram_aspect,
+        ns_precondition: str | None = MUON_CLASS.ns_precondition,
         split_ns: bool = MUON_CLASS.split_ns,
         process_group: ProcessGroup | None = None,
         device_mesh: DeviceMesh | None = None,
@@ -339,7 +364,8 @@ class Muon(Optimizer):
             "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
             "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
             "ns_dtype": ns_dtype, "ns_batch_bytes": ns_batch_bytes, "ns_gram_aspect": ns_gram_aspect,
-            "normuon_beta2": normuon_beta2, "cautious_weight_decay": cautious_weight_decay,
+            "ns_precondition": ns_precondition, "normuon_beta2": normuon_beta2,
+            "cautious_weight_decay": cautious_weight_decay,
         })
         #: Split the Newton-Schulz work across ranks: under DDP each rank orthogonalises a share of the
         #: matrices (results all-gathered); under FSDP2 each matrix is orthogonalised on one owner rank.

@@ -15,7 +15,14 @@ Two variants of the same maths:
 - ``ns_coefficients="polar_express"``: a different ``(a, b, c)`` at every
   iteration, the schedule of Amsel et al. 2025 ("The Polar Express", Algorithm
   1, with its 1.01 safety factor), which lands the singular values much closer
-  to 1 in the same 5 steps (`POLAR_EXPRESS_COEFFICIENTS`).
+  to 1 in the same 5 steps (`POLAR_EXPRESS_COEFFICIENTS`); ``"turbo_muon"``: the schedule Turbo-Muon pairs
+  with AOL preconditioning (`TURBO_MUON_COEFFICIENTS`).
+- ``ns_precondition="aol"``: Turbo-Muon's AOL preconditioning (Boissin et al. 2025, arXiv:2512.04632) in
+  place of the Frobenius normalisation: with ``A = X X^T`` (the Gram matrix the first iteration needs anyway),
+  each row ``i`` of the wide ``X`` is scaled by ``1 / sqrt(sum_j |A_ij|)`` (``X <- D X``, which bounds the
+  spectral norm by 1 and brings the small singular values nearer to 1 than the Frobenius norm does), and the
+  first iteration reuses ``D A D`` as its Gram matrix: no extra matrix product (`aol_scale`). The paper
+  runs it with its own coefficients (``ns_coefficients="turbo_muon"``) for 4 steps instead of 5.
 - `gram_newton_schulz`: for a rectangular ``r x k`` matrix (``k`` several times
   ``r``), iterate on the ``r x r`` Gram matrix alone and multiply by the long
   side only at the end: ``4 r^2 k + 16 r^3`` MACs instead of
@@ -40,7 +47,10 @@ __all__ = [
     "DEFAULT_NS_STEPS",
     "GRAM_RESTART",
     "NS_COEFFICIENT_SCHEDULES",
+    "NS_PRECONDITIONERS",
     "POLAR_EXPRESS_COEFFICIENTS",
+    "TURBO_MUON_COEFFICIENTS",
+    "aol_scale",
     "coefficient_schedule",
     "gram_newton_schulz",
     "ns_flops",
@@ -74,12 +84,31 @@ POLAR_EXPRESS_COEFFICIENTS: tuple[Coefficients, ...] = tuple(
     for a, b, c in _POLAR_EXPRESS_RAW[:-1]
 ) + _POLAR_EXPRESS_RAW[-1:]
 
+#: Turbo-Muon's schedule (Boissin et al. 2025, arXiv:2512.04632): the five ``(a, b, c)`` its reference code runs
+#: after AOL preconditioning (github.com/thib-s/flash-newton-schulz, ``NS_ours``; the same five as dion's
+#: Newton-Schulz). That code runs the *last* ``ns_steps`` of them (4 by default: it drops the most aggressive
+#: first one, which AOL's better start makes unneeded); `coefficient_schedule` does the same, and repeats the
+#: last one past five steps.
+TURBO_MUON_COEFFICIENTS: tuple[Coefficients, ...] = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+
 #: Named per-iteration schedules ``ns_coefficients`` accepts: ``name -> (coefficients, norm factor)``; the
 #: Frobenius norm that scales the input is multiplied by the factor (the paper's safety margin: every
 #: singular value starts at most ``1 / 1.01``).
 NS_COEFFICIENT_SCHEDULES: dict[str, tuple[tuple[Coefficients, ...], float]] = {
     "polar_express": (POLAR_EXPRESS_COEFFICIENTS, _POLAR_EXPRESS_SAFETY),
+    "turbo_muon": (TURBO_MUON_COEFFICIENTS, 1.0),
 }
+#: The schedules run from their end: ``n <= len`` steps take the last ``n`` (Turbo-Muon's reference code).
+_FROM_END = frozenset({"turbo_muon"})
+
+#: What ``ns_precondition`` accepts besides ``None`` (the Frobenius normalisation): ``"aol"`` (`aol_scale`).
+NS_PRECONDITIONERS: tuple[str, ...] = ("aol",)
 
 #: `gram_newton_schulz` in a 16-bit dtype re-forms ``X`` from the accumulated product before this iteration
 #: (0-based). Without it the product ``Q`` grows to ~500x on small singular values (``a^5``) and its bf16
@@ -94,7 +123,8 @@ def coefficient_schedule(
     """The ``(a, b, c)`` of each of ``ns_steps`` iterations and the factor on the normalising norm.
 
     ``ns_coefficients`` is one ``(a, b, c)`` for every iteration (factor 1) or the name of a schedule in
-    `NS_COEFFICIENT_SCHEDULES` (``"polar_express"``).
+    `NS_COEFFICIENT_SCHEDULES` (``"polar_express"``; ``"turbo_muon"``, whose first ``ns_steps`` are the last
+    of its five, `TURBO_MUON_COEFFICIENTS`).
     """
     if isinstance(ns_coefficients, str):
         if ns_coefficients not in NS_COEFFICIENT_SCHEDULES:
@@ -103,6 +133,8 @@ def coefficient_schedule(
                 f"got {ns_coefficients!r}"
             )
         schedule, factor = NS_COEFFICIENT_SCHEDULES[ns_coefficients]
+        if ns_coefficients in _FROM_END and ns_steps <= len(schedule):
+            return list(schedule[len(schedule) - ns_steps:]), factor
         return [schedule[min(i, len(schedule) - 1)] for i in range(ns_steps)], factor
     if len(ns_coefficients) != 3:
         raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {ns_coefficients!r}")
@@ -115,11 +147,30 @@ def _gram_restart(dtype: torch.dtype, ns_steps: int) -> int:
     return GRAM_RESTART if dtype.itemsize < 4 else ns_steps
 
 
-def _check_input(G: Tensor, ns_steps: int) -> None:
+def _check_input(G: Tensor, ns_steps: int, ns_precondition: str | None = None) -> None:
     if G.ndim < 2:
         raise ValueError(f"expected a matrix or a stack of matrices (..., m, n), got shape {tuple(G.shape)}")
     if not 0 <= ns_steps < 100:
         raise ValueError(f"ns_steps must be in [0, 100), got {ns_steps}")
+    if ns_precondition is not None and ns_precondition not in NS_PRECONDITIONERS:
+        raise ValueError(f"ns_precondition must be None or one of {NS_PRECONDITIONERS}, got {ns_precondition!r}")
+
+
+def aol_scale(X: Tensor, A: Tensor, *, factor: float = 1.0, eps: float = DEFAULT_EPS) -> tuple[Tensor, Tensor]:
+    """AOL preconditioning of a stack of wide matrices ``X`` (``(k, r, n)``, ``r <= n``) given their Gram matrices
+    ``A = X X^T`` (``(k, r, r)``): returns ``(D X, D A D)`` with ``D = diag(s) / factor``,
+    ``s_i = 1 / sqrt(max(sum_j |A_ij|, eps))``.
+
+    Each row of ``X`` is scaled by one over the square root of its Gram row's absolute sum (Turbo-Muon, Boissin
+    et al. 2025, arXiv:2512.04632; the almost-orthogonal layers' rescaling of Prach and Lampert 2022). Every
+    singular value of ``D X`` is then at most ``1 / factor`` (Schur's test on ``D A D``: each of its absolute row
+    sums is at most 1), and ``D A D`` is its Gram matrix, so the first iteration needs no product of its own.
+    The scale is computed in float32 (or ``A``'s dtype where wider) and applied in ``X``'s dtype; a zero row
+    stays zero.
+    """
+    accumulate = torch.promote_types(A.dtype, torch.float32)
+    s = A.abs().sum(dim=-1, dtype=accumulate).clamp(min=eps).rsqrt().div(factor).to(X.dtype)
+    return X * s.unsqueeze(-1), A * s.unsqueeze(-1) * s.unsqueeze(-2)
 
 
 def zeropower_via_newtonschulz(
@@ -129,6 +180,7 @@ def zeropower_via_newtonschulz(
     ns_steps: int = DEFAULT_NS_STEPS,
     eps: float = DEFAULT_EPS,
     dtype: torch.dtype = torch.bfloat16,
+    ns_precondition: str | None = None,
 ) -> Tensor:
     """Approximately orthogonalise every matrix of a stack ``G`` of shape ``(..., m, n)``.
 
@@ -166,21 +218,29 @@ def zeropower_via_newtonschulz(
     Args:
         G: one matrix ``(m, n)`` or a stack ``(..., m, n)``.
         ns_coefficients: ``(a, b, c)`` of the step ``X <- a X + (b A + c A^2) X`` above, or
-            ``"polar_express"`` (one ``(a, b, c)`` per step, Amsel et al. 2025).
+            ``"polar_express"`` (one ``(a, b, c)`` per step, Amsel et al. 2025), or ``"turbo_muon"`` (Turbo-Muon's
+            five, of which ``n`` steps run the last ``n``).
         ns_steps: number of iterations (``0 <= ns_steps < 100``).
         eps: floor of the Frobenius norm used to normalise each matrix.
         dtype: compute dtype; ``torch.bfloat16`` (fast where the hardware has
             bf16 matmuls) or ``torch.float32``.
+        ns_precondition: ``None``: scale by the Frobenius norm. ``"aol"``: Turbo-Muon's AOL scaling instead
+            (each row of the wide matrix by one over the square root of its Gram row's absolute sum), its Gram
+            matrix reused by the first step (the same matrix products as ``None``); a lone matrix then runs the
+            batched kernels (never ``torch.optim.Muon``'s bits). Boissin et al. 2025 pair it with
+            ``ns_coefficients="turbo_muon"`` and 4 steps.
     """
-    _check_input(G, ns_steps)
+    _check_input(G, ns_steps, ns_precondition)
     schedule, factor = coefficient_schedule(ns_coefficients, ns_steps)
     tall = G.size(-2) > G.size(-1)
     # The 2D path normalises in place (as torch does), so it needs its own copy; the batched path's
     # normalisation makes a new tensor anyway.
-    X = G.to(dtype, copy=G.ndim == 2)
+    X = G.to(dtype, copy=G.ndim == 2 and ns_precondition is None)
     if tall:
         X = X.mT
-    if X.ndim == 2:
+    if ns_precondition is not None:
+        X = _aol_iteration(X.reshape(-1, *X.shape[-2:]), schedule, factor, eps).reshape(X.shape)
+    elif X.ndim == 2:
         # Exactly torch.optim.Muon's sequence of kernels, so the 2D path is bit-identical.
         X.div_((X.norm() * factor).clamp(min=eps))  # factor 1.0: exact, the same bits as torch
         for a, b, c in schedule:
@@ -199,6 +259,18 @@ def zeropower_via_newtonschulz(
     return X.mT if tall else X
 
 
+def _aol_iteration(X: Tensor, schedule: list[Coefficients], factor: float, eps: float) -> Tensor:
+    """The standard iteration on a wide stack ``(k, r, n)`` after `aol_scale`, the first step on its Gram."""
+    A = torch.bmm(X, X.mT)
+    X, A = aol_scale(X, A, factor=factor, eps=eps)
+    for i, (a, b, c) in enumerate(schedule):
+        if i > 0:
+            A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    return X
+
+
 def gram_newton_schulz(
     G: Tensor,
     *,
@@ -207,6 +279,7 @@ def gram_newton_schulz(
     eps: float = DEFAULT_EPS,
     dtype: torch.dtype = torch.bfloat16,
     restart: int | None = None,
+    ns_precondition: str | None = None,
 ) -> Tensor:
     """The iteration of `zeropower_via_newtonschulz`, run on the short side's Gram matrix.
 
@@ -219,9 +292,11 @@ def gram_newton_schulz(
     the float64 iteration as the standard bf16 path, see the tests). ``restart``: before this iteration
     (0-based) ``X`` is re-formed as ``Q X`` and ``R`` recomputed, so ``Q`` never accumulates more than a few
     iterations' growth; default `GRAM_RESTART` for 16-bit dtypes, none for float32 and wider. Returns a new
-    tensor of ``G``'s shape in ``dtype``; arguments as `zeropower_via_newtonschulz`.
+    tensor of ``G``'s shape in ``dtype``; arguments as `zeropower_via_newtonschulz` (with
+    ``ns_precondition="aol"`` the Gram matrix ``R`` is formed from the unscaled ``X`` and scaled with it,
+    `aol_scale`).
     """
-    _check_input(G, ns_steps)
+    _check_input(G, ns_steps, ns_precondition)
     schedule, factor = coefficient_schedule(ns_coefficients, ns_steps)
     if restart is None:
         restart = _gram_restart(dtype, ns_steps)
@@ -231,8 +306,11 @@ def gram_newton_schulz(
         X = X.mT
     batch_shape = X.shape[:-2]
     X = X.reshape(-1, *X.shape[-2:])
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) * factor).clamp(min=eps)
-    R = torch.bmm(X, X.mT)
+    if ns_precondition is not None:
+        X, R = aol_scale(X, torch.bmm(X, X.mT), factor=factor, eps=eps)
+    else:
+        X = X / (X.norm(dim=(-2, -1), keepdim=True) * factor).clamp(min=eps)
+        R = torch.bmm(X, X.mT)
     Q: Tensor | None = None
     for i, (a, b, c) in enumerate(schedule):
         if i == restart and Q is not None:

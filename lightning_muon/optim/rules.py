@@ -52,7 +52,8 @@ __all__ = ["Bucket", "CautiousWeightDecay", "NorMuon", "UpdateRule", "register_r
 #: The param-group keys of `lightning_muon.Muon` itself (a rule cannot take one of them as its key).
 _MUON_KEYS = frozenset({
     "params", "lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn",
-    "ns_dtype", "ns_batch_bytes", "ns_gram_aspect", NAME, PARAM_NAMES, MATRIX_LAYOUTS, MATRIX_BLOCKS, "algorithm",
+    "ns_dtype", "ns_batch_bytes", "ns_gram_aspect", "ns_precondition", NAME, PARAM_NAMES, MATRIX_LAYOUTS, MATRIX_BLOCKS,
+    "algorithm",
 })
 
 

@@ -665,7 +665,7 @@ CONSTRUCTOR_ERRORS = [
     ({"ns_steps": 2.0}, ValueError, r"Invalid ns_steps: 2\.0"),
     ({"ns_steps": True}, ValueError, r"Invalid ns_steps: True"),
     ({"ns_coefficients": (1, 2)}, ValueError, r"Invalid ns_coefficients: \(1, 2\)"),
-    ({"ns_coefficients": "polar"}, ValueError, r"Invalid ns_coefficients: 'polar' .*\['polar_express'\]"),
+    ({"ns_coefficients": "polar"}, ValueError, r"Invalid ns_coefficients: 'polar' .*\['polar_express', 'turbo_muon'\]"),
     ({"ns_gram_aspect": 0.5}, ValueError, r"Invalid ns_gram_aspect: 0\.5 \(must be None or a number >= 1\)"),
     ({"ns_gram_aspect": "4"}, ValueError, r"Invalid ns_gram_aspect: '4'"),
     ({"ns_dtype": torch.int32}, ValueError, r"Invalid ns_dtype: torch\.int32"),
