@@ -31,6 +31,7 @@ that says why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from enum import Enum
@@ -129,7 +130,7 @@ def wanted_groups(routing: Routing, algorithms: list[str], added: dict[str, list
     its parameter names by group name), its parameters split again by ``routing``, at the lr that optimizer's part
     has (``lrs``, by algorithm and group name): a first batch after an unfreeze keeps what it added apart."""
     in_added = {n for names in added.values() for n in names}
-    base = Routing([r for r in routing.routes if r.name not in in_added], routing.params)
+    base = dataclasses.replace(routing, routes=[r for r in routing.routes if r.name not in in_added])
     groups: dict[str, list[dict[str, Any]]] = {}
     for algorithm in (MUON, ADAMW):
         kept = keep_both and algorithm in algorithms
@@ -274,7 +275,7 @@ class OptimizerPair:
         place)."""
         held = held_tensors(self.optimizers.values())
         # (what the optimizers do not hold yet, such as a parameter unfrozen by hand, stays out of them)
-        wanted = self._wanted(Routing([r for r in routing.routes if r.name in held], routing.params))
+        wanted = self._wanted(dataclasses.replace(routing, routes=[r for r in routing.routes if r.name in held]))
         return self.later.place(self.optimizers, wanted, self._build)
 
     def _build(self, algorithm: str, groups: list[dict[str, Any]]) -> Optimizer:
