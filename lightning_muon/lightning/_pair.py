@@ -42,7 +42,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_muon.lightning._late import LaterGroups, Layout, held_tensors
+from lightning_muon.lightning._late import LaterGroups, Layout, group_bases, held_tensors
 from lightning_muon.optim.groups import MATRIX_BLOCKS, MATRIX_LAYOUTS, NAME, PARAM_NAMES, blocks_of, layouts_of
 from lightning_muon.routing import ADAMW, MUON, Algorithm, Group, Routing
 
@@ -276,7 +276,7 @@ class OptimizerPair:
         held = held_tensors(self.optimizers.values())
         # (what the optimizers do not hold yet, such as a parameter unfrozen by hand, stays out of them)
         wanted = self._wanted(dataclasses.replace(routing, routes=[r for r in routing.routes if r.name in held]))
-        return self.later.place(self.optimizers, wanted, self._build)
+        return self.later.place(self.optimizers, wanted, self._build, self.config.group_settings)
 
     def _build(self, algorithm: str, groups: list[dict[str, Any]]) -> Optimizer:
         """An optimizer of ``algorithm`` over ``groups``, built as the config builds the fit's (to read groups from)."""
@@ -378,7 +378,7 @@ class OptimizerPair:
             yield
         finally:
             optimizer.param_groups = groups
-            self.later.follow(algorithm, groups)
+            self.later.follow(algorithm, groups, group_bases(optimizer.defaults, self.config.group_settings))
 
     # ------------------------------------------------------------------ checkpoints
 

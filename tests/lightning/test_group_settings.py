@@ -151,3 +151,31 @@ def test_a_resume_reproduces_the_uninterrupted_run_and_refuses_changed_settings(
                        r"group_settings"):
         make_trainer(tmp_path / "changed", max_epochs=2).fit(MuonRegression(group_settings=changed),
                                                              ckpt_path=tmp_path / "epoch=0.ckpt")
+
+
+def test_a_group_a_later_batch_adds_keeps_its_own_ratio_to_the_schedule(tmp_path):
+    """``input`` first reached by the second batch joins AdamW late, after the schedule was built: it follows the
+    first group's lr at its own ratio, as the fit that knew its roles from the start trains it."""
+    from test_unreached import MuonModalities, groups
+
+    settings = {"embeddings": {"lr": 0.01}, "input": {"lr": 0.003, "weight_decay": 0.2}}
+    schedule = functools.partial(WarmupCosine, warmup_steps=2, total_steps=12)
+    model = MuonModalities(group_settings=settings, lr_scheduler=schedule)
+    make_trainer(tmp_path / "a", max_steps=9, csv_dir=tmp_path / "a", callbacks=[MuonMonitor()]).fit(model)
+    adamw = raw_optimizers(model)[1]
+    assert adamw.param_groups[-1]["name"] == "input"  # late
+    rows = [row for row in read_metrics(tmp_path / "a") if row.get("lr-AdamW/input")]
+    assert len(rows) >= 6
+    for row in rows:
+        assert float(row["lr-AdamW/input"]) == pytest.approx(float(row["lr-AdamW/embeddings"]) * 0.3, rel=1e-9)
+    assert adamw.param_groups[-1]["weight_decay"] == 0.2
+
+    reference = MuonModalities(group_settings=settings, lr_scheduler=schedule)
+    reference.muon_roles = model.muon_roles  # input built from the start
+    make_trainer(tmp_path / "b", max_steps=9).fit(reference)
+    built = {g["name"]: (pytest.approx(g["lr"], rel=1e-9), g["weight_decay"])
+             for g in raw_optimizers(reference)[1].param_groups}
+    assert {g["name"]: (g["lr"], g["weight_decay"]) for g in adamw.param_groups} == built
+    for name, value in snapshot(reference).items():
+        torch.testing.assert_close(snapshot(model)[name], value, rtol=1e-5, atol=1e-6)
+    assert groups(model)[1] != groups(reference)[1]  # the same groups in another order: the late one last
