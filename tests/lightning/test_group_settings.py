@@ -51,6 +51,20 @@ def test_route_parameters_puts_each_group_s_settings_into_its_param_group():
         "embeddings": 0.01, "head": 3e-4, "norms_and_biases": 3e-4}
 
 
+def test_the_table_closes_with_each_group_s_settings_within_100_columns():
+    routing = MuonRegression(group_settings=SETTINGS).muon_routing()
+    table = routing.plain_table(width=100)
+    assert table.splitlines()[-5:] == [
+        "Settings per group (over the optimizer's own):",
+        "  hidden: lr=0.05, momentum=0.9",
+        "  input: lr=0.003, weight_decay=0.1",
+        "  head: lr=0.002, betas=[0.8, 0.99]",
+        "  norms_and_biases: weight_decay=0, eps=1e-06",
+    ]
+    assert max(len(line) for line in table.splitlines()) <= 100
+    assert "Settings per group" not in MuonRegression().muon_routing().plain_table()
+
+
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
@@ -144,6 +158,8 @@ def test_a_resume_reproduces_the_uninterrupted_run_and_refuses_changed_settings(
     for name in expected:
         assert torch.equal(final[name], expected[name]), name
     assert held(resumed) == held(straight)
+    loaded = MuonRegression.load_from_checkpoint(tmp_path / "epoch=0.ckpt", weights_only=True)
+    assert loaded.muon_routing().group_settings == SETTINGS  # plain hyperparameters
 
     changed = {**SETTINGS, "head": {"lr": 0.004}}
     with pytest.raises(MisconfigurationException, match=r"This checkpoint was trained with group_settings=\{'hidden'.*"
