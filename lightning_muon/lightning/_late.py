@@ -88,7 +88,7 @@ def late_settings(first: dict[str, Any], own: dict[str, Any], head: dict[str, An
             continue
         number = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, base)) and base != 0
         number = number and key in settings
-        settings[key] = settings[key] * (value / base) if number else value
+        settings[key] = value * (settings[key] / base) if number else value  # (exact where no schedule moved it)
         if key == "lr" and "initial_lr" in settings:
             settings["initial_lr"] = value
     return settings

@@ -195,3 +195,19 @@ def test_a_group_a_later_batch_adds_keeps_its_own_ratio_to_the_schedule(tmp_path
     for name, value in snapshot(reference).items():
         torch.testing.assert_close(snapshot(model)[name], value, rtol=1e-5, atol=1e-6)
     assert groups(model)[1] != groups(reference)[1]  # the same groups in another order: the late one last
+
+
+def test_a_group_a_later_batch_adds_without_a_schedule_trains_bit_for_bit_as_one_built_from_the_start(tmp_path):
+    from test_unreached import MuonModalities
+
+    settings = {"embeddings": {"lr": 0.01}, "input": {"lr": 0.003, "betas": [0.8, 0.9]}}
+    model = MuonModalities(group_settings=settings)
+    make_trainer(tmp_path / "a", max_steps=6).fit(model)
+    late = raw_optimizers(model)[1].param_groups[-1]
+    assert (late["name"], late["lr"], late["betas"]) == ("input", 0.003, (0.8, 0.9))
+    reference = MuonModalities(group_settings=settings)
+    reference.muon_roles = model.muon_roles
+    make_trainer(tmp_path / "b", max_steps=6).fit(reference)
+    expected = snapshot(reference)
+    for name, value in snapshot(model).items():
+        assert torch.equal(value, expected[name]), name
