@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_muon import MuonMonitor, MuonWithAdamW, WarmupCosine, route_parameters
+from lightning_muon import MuonMonitor, MuonWithAdamW, WarmupCosine, WeightDecaySchedule, route_parameters
 
 from helpers import MuonRegression, make_trainer, raw_optimizers, read_metrics, snapshot
 
@@ -146,6 +146,17 @@ def test_a_scheduler_keeps_each_group_s_ratio_and_the_monitor_logs_each_group_s_
         for name, base in bases.items():
             key = f"lr-{'Muon' if name == 'hidden' else 'AdamW'}/{name}"
             assert float(row[key]) == pytest.approx(base * scheduler.factor(int(row["step"])), rel=1e-6), (key, row)
+
+
+def test_weight_decay_following_the_lr_keeps_each_group_s_own_weight_decay(tmp_path):
+    model = MuonRegression(group_settings=SETTINGS, lr_scheduler=SCHEDULE)
+    trainer = make_trainer(tmp_path, max_steps=6, callbacks=[WeightDecaySchedule()])
+    trainer.fit(model)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    factor = scheduler.factor(scheduler.last_epoch - 1)  # the last update's: the schedule moved on after it
+    decays = {name: wd for name, (_, wd, _) in EXPECTED.items() if wd}
+    moved = {g["name"]: g["weight_decay"] for o in raw_optimizers(model) for g in o.param_groups if g["weight_decay"]}
+    assert moved == pytest.approx({name: wd * factor for name, wd in decays.items()}, rel=1e-12)
 
 
 def test_a_resume_reproduces_the_uninterrupted_run_and_refuses_changed_settings(tmp_path):
