@@ -51,8 +51,9 @@ PUBLIC = {
         "orthogonality_error", "preview_update", "zeropower_via_newtonschulz",
     ],
     "lightning_muon.routing": [
-        "ADAMW", "Algorithm", "GraphRoles", "Group", "MUON", "Route", "Routing", "Rule", "check_pattern_list",
-        "find_output_heads", "loss_in", "route_parameters", "trace_roles", "trace_step",
+        "ADAMW", "Algorithm", "GraphRoles", "Group", "MUON", "Route", "Routing", "Rule", "SETTING_KEYS",
+        "check_group_settings", "check_pattern_list", "check_settings_taken", "find_output_heads", "loss_in",
+        "route_parameters", "trace_roles", "trace_step",
     ],
     "lightning_muon.combined": ["MuonWithAdamW", "merge_state_dicts", "split_state_dict"],
     "lightning_muon.lightning": ["MuonBackboneFinetuning", "MuonMixin", "SKIPPED_STEPS_KEY", "consolidate",

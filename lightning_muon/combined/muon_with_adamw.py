@@ -25,7 +25,7 @@ from lightning_muon.optim import Muon
 from lightning_muon.optim.adamw import AdamW
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
 from lightning_muon.optim.groups import PARAM_NAMES
-from lightning_muon.routing import Algorithm, Routing, route_parameters
+from lightning_muon.routing import Algorithm, Routing, check_settings_taken, route_parameters
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -100,6 +100,8 @@ class MuonWithAdamW(Optimizer):
         adamw_params: glob patterns of parameter names forced onto AdamW (a model only).
         split_fused: orthogonalise each block of a fused projection on its own (a model only).
         matrix_blocks: glob pattern -> row-block sizes of those Muon matrices, ``None``: whole (a model only).
+        group_settings: group name -> its own settings (``{"head": {"lr": 0.01}}``; a model only: a `Routing` has
+            its own): ``lr``, ``weight_decay``, ``betas``, ``eps``, ``momentum``, those its algorithm takes.
 
     Raises:
         ValueError: a bad setting (quoting it, as `Muon` and ``AdamW`` word it), a group without a valid
@@ -143,6 +145,7 @@ class MuonWithAdamW(Optimizer):
         adamw_params: Sequence[str] = (),
         split_fused: bool = False,
         matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
+        group_settings: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         self._settings: dict[str, dict[str, Any]] = {
             MUON_KEY: {
@@ -163,13 +166,11 @@ class MuonWithAdamW(Optimizer):
         #: The inner optimizers, built from the first group of their algorithm.
         self._inner: dict[str, Optimizer] = {}
         routing_settings = {"muon_params": muon_params, "adamw_params": adamw_params, "split_fused": split_fused,
-                            "matrix_blocks": matrix_blocks}
+                            "matrix_blocks": matrix_blocks, "group_settings": group_settings}
         groups, self.routing = _groups(params, routing_settings)
         # ``defaults``: each algorithm's, as its inner optimizer has them once it is built (`add_param_group`).
         super().__init__(groups, {MUON_KEY: {}, ADAMW_KEY: {}})
-        for algorithm in ALGORITHMS:
-            if algorithm not in self._inner:  # no group of it yet: its settings are still checked now
-                _validation_only(algorithm, self._settings[algorithm])
+        _check_settings(self._inner, self._settings, self.routing)
 
     @classmethod
     def from_model(
@@ -305,6 +306,11 @@ def _groups(
             f"muon_params={list(muon_params)!r} / adamw_params={list(adamw_params)!r} are routing patterns: "
             "give the model itself (MuonWithAdamW.from_model(model, muon_params=...)), not groups or a Routing"
         )
+    elif settings["group_settings"]:
+        raise ValueError(
+            "group_settings are the routing's groups' settings: give the model itself (MuonWithAdamW.from_model(model, "
+            "group_settings=...)), or route_parameters(model, group_settings=...) and pass the Routing"
+        )
     elif settings["split_fused"] or settings["matrix_blocks"]:
         raise ValueError(
             "split_fused / matrix_blocks are routing settings: give the model itself "
@@ -330,6 +336,16 @@ def _build(algorithm: str, group: dict[str, Any], settings: dict[str, Any]) -> O
     if algorithm == MUON_KEY:
         return Muon([group], **settings)
     return AdamW([group], **settings)
+
+
+def _check_settings(inner: dict[str, Optimizer], settings: dict[str, dict[str, Any]], routing: Routing | None) -> None:
+    """Check each algorithm's settings: on its inner optimizer, the routing's group settings it must take (one it
+    does not take would be ignored); without one (no group of it yet), its constructor's on a placeholder."""
+    for algorithm in ALGORITHMS:
+        if algorithm not in inner:
+            _validation_only(algorithm, settings[algorithm])
+        elif routing is not None:
+            check_settings_taken(inner[algorithm], routing.group_settings, algorithm)
 
 
 def _validation_only(algorithm: str, settings: dict[str, Any]) -> None:

@@ -82,6 +82,23 @@ def check_resume(saved: dict[str, Any], routing: Routing, module: nn.Module, res
                                         for o in (MUON, ADAMW)}}, current)
 
 
+def check_group_settings(saved: dict[str, Any], group_settings: dict[str, dict[str, Any]]) -> None:
+    """Refuse a resume whose ``group_settings`` differ from those the checkpoint (its record, ``saved``) was trained
+    with: torch's ``load_state_dict`` gives the optimizers the saved param groups' settings, so the new ones would
+    not apply (and a scheduler's base lrs come from the checkpoint too). Records without settings pass."""
+    settings = saved.get("settings")
+    if not isinstance(settings, dict):
+        return
+    then = settings.get("group_settings") or {}
+    if then != group_settings:
+        raise MisconfigurationException(
+            f"This checkpoint was trained with group_settings={then!r}; this fit gives group_settings="
+            f"{group_settings!r}. A resume restores each param group's settings (and its scheduler's base lrs) from "
+            "the checkpoint, so the new ones would not apply. Resume with the checkpoint's group_settings, or start "
+            "a new fit from these weights (model.load_state_dict(torch.load(path)['state_dict'])) without ckpt_path."
+        )
+
+
 def _some(names: list[str], limit: int = 5) -> str:
     """At most ``limit`` of ``names``, comma-separated, then how many more there are."""
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")

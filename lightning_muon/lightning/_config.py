@@ -20,7 +20,15 @@ from lightning_muon.lightning._specs import from_spec, plain_data, target_class,
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
 from lightning_muon.optim.groups import PARAM_NAMES, group_effective_lrs, is_count
 from lightning_muon.optim.muon import Muon
-from lightning_muon.routing import Algorithm, GraphRoles, Routing, check_pattern_list, route_parameters
+from lightning_muon.routing import (
+    Algorithm,
+    GraphRoles,
+    Routing,
+    check_group_settings,
+    check_pattern_list,
+    check_settings_taken,
+    route_parameters,
+)
 
 __all__ = ["DEFAULT_ADAMW", "DEFAULT_MUON", "MuonConfig", "plain_data"]  # plain_data: from _specs, for mixin.py
 
@@ -62,6 +70,8 @@ class MuonConfig:
     split_fused: bool = False
     #: Glob pattern -> the row-block sizes of those Muon parameters, or ``None`` to keep a found one whole.
     matrix_blocks: dict[str, list[int] | None] = field(default_factory=dict, hash=False)
+    #: Group name -> that group's own settings (``{"embeddings": {"lr": 0.01}}``), over its optimizer's defaults.
+    group_settings: dict[str, dict[str, Any]] = field(default_factory=dict, hash=False)
     #: ``None`` for ``muon=None``, the AdamW-only baseline.
     muon_factory: Callable[..., Any] | None = field(compare=False, repr=False)
     adamw_factory: Callable[..., Any] = field(compare=False, repr=False)
@@ -82,6 +92,7 @@ class MuonConfig:
         parent_lr: bool = False,
         split_fused: bool = False,
         matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
+        group_settings: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> MuonConfig:
         """Validate the mixin's arguments (a `ValueError` naming the bad value and the fix) and resolve them."""
         if not is_count(accumulate_grad_batches):
@@ -103,6 +114,7 @@ class MuonConfig:
                 f"matrix_blocks must map glob patterns to row-block sizes (or None), e.g. "
                 f"{{'*.c_attn.weight': [768, 768, 768]}}; got {matrix_blocks!r}"
             )
+        settings = check_group_settings(group_settings)
         muon_factory, adamw_factory, lr_scheduler_factory = from_spec(muon), from_spec(adamw), from_spec(lr_scheduler)
         if adamw_factory is None:
             raise ValueError("adamw must be an optimizer factory; it holds every parameter that is not on Muon")
@@ -127,6 +139,7 @@ class MuonConfig:
             split_fused=split_fused,
             matrix_blocks={str(k): None if v is None else [int(x) for x in v]
                            for k, v in (matrix_blocks or {}).items()},
+            group_settings=settings,
             muon_factory=muon_factory,
             adamw_factory=adamw_factory,
             lr_scheduler_factory=lr_scheduler_factory,
@@ -142,11 +155,13 @@ class MuonConfig:
         muon = algorithm is Algorithm.MUON
         factory = self.muon_factory if muon else self.adamw_factory
         assert factory is not None, f"no {algorithm} factory"
+        spec = self.muon if muon else self.adamw
         try:
-            return factory(groups, **kwargs)
+            optimizer = factory(groups, **kwargs)
         except (ValueError, TypeError) as error:
-            spec = self.muon if muon else self.adamw
             raise ValueError(f"MuonMixin could not build the `{algorithm.key}` optimizer ({spec}): {error}") from error
+        check_settings_taken(optimizer, self.group_settings, f"the `{algorithm.key}` optimizer ({spec})")
+        return optimizer
 
     def build_adamw(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         """The AdamW optimizer; torch's AdamW fused where every parameter's device supports it (several
@@ -170,6 +185,7 @@ class MuonConfig:
             graph=roles,
             split_fused=self.split_fused,
             matrix_blocks=self.matrix_blocks or None,
+            group_settings=self.group_settings,
         )
         return routing if self.muon_enabled else routing.all_on_adamw("muon=None: on AdamW")
 
@@ -260,3 +276,4 @@ class MuonConfig:
         """The settings (the compared fields) as plain data, tuples as lists, as checkpoints save them."""
         settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}
         return {name: list(value) if isinstance(value, tuple) else value for name, value in settings.items()}
+

@@ -5,7 +5,8 @@ it holds no optimizer state then, so the pair moves it to where that batch shows
 It leaves its group (an emptied group stays, so that every scheduler keeps the groups it steps) and joins the
 group of its route, or a *late* group of that name added at the end of its optimizer's groups, with the settings
 of that optimizer's first group, which it follows through every scheduler step (`follow`: the optimizer's
-schedulers were built for the groups before it). A checkpoint records the late groups and that the groups were so
+schedulers were built for the groups before it), at its own ratio to them where the groups' own settings
+(``group_settings``) differ (`late_settings`). A checkpoint records the late groups and that the groups were so
 arranged (`record`); a resumed fit gives the optimizers that order and those empty groups back (`arrange`).
 """
 
@@ -19,6 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_muon.optim.groups import MATRIX_BLOCKS, MATRIX_LAYOUTS, NAME, PARAM_NAMES
+from lightning_muon.routing import SETTING_KEYS
 
 #: The keys of a group that say what it holds (the rest are its settings, which schedulers may move).
 _STRUCTURE_KEYS = {"params", NAME, PARAM_NAMES, MATRIX_LAYOUTS, MATRIX_BLOCKS}
@@ -59,14 +61,49 @@ def stepped(optimizers: Iterable[Optimizer], names: Iterable[str]) -> set[str]:
     return found
 
 
-def regrouped(groups: list[dict[str, Any]], built: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+#: A group's base settings by its name (its `group_settings` over its optimizer's defaults).
+Bases = Callable[[str], dict[str, Any]]
+
+
+def group_bases(defaults: dict[str, Any], settings: dict[str, dict[str, Any]]) -> Bases:
+    """The base settings of an optimizer's groups by name: its ``defaults`` (the factory's), with each group's own
+    (``group_settings``) over them."""
+
+    def of(name: str) -> dict[str, Any]:
+        own = {k: tuple(v) if isinstance(v, list) else v for k, v in settings.get(name, {}).items()}
+        return {**{k: defaults[k] for k in SETTING_KEYS if k in defaults}, **own}
+
+    return of
+
+
+def late_settings(first: dict[str, Any], own: dict[str, Any], head: dict[str, Any]) -> dict[str, Any]:
+    """A late group's settings: its optimizer's ``first`` group's (what the schedulers set), where the late group's
+    base settings (``own``) differ from the first group's (``head``) a number at the same ratio to the first group's
+    (an lr ``own["lr"] / head["lr"]`` times the first group's scheduled lr, its ``initial_lr`` its own), anything
+    else (betas, or a number whose first group's base is 0) as ``own`` gives it."""
+    settings = settings_of(first)
+    for key, value in own.items():
+        base = head.get(key)
+        if value == base:
+            continue
+        number = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (value, base)) and base != 0
+        number = number and key in settings
+        settings[key] = value * (settings[key] / base) if number else value  # (exact where no schedule moved it)
+        if key == "lr" and "initial_lr" in settings:
+            settings["initial_lr"] = value
+    return settings
+
+
+def regrouped(groups: list[dict[str, Any]], built: list[dict[str, Any]],
+              bases: Bases) -> tuple[list[dict[str, Any]], list[str]]:
     """An optimizer's ``groups`` holding what the groups ``built`` for it hold, by name, each keeping its settings
     (a group ``built`` has none of becomes empty), then the ``built`` groups it has no group of yet, with the
-    settings of its first group; and the names of those."""
+    settings of its first group (at their own ratio to them, `late_settings` of ``bases``); and the names of
+    those."""
     fresh = {g[NAME]: g for g in built}
     kept = [{**settings_of(g), NAME: g[NAME], **_structure_of(fresh.pop(g[NAME], None))} for g in groups]
-    template = settings_of(groups[0]) if groups else {}
-    kept += [{**settings_of(g), **template, NAME: name, **_structure_of(g)} for name, g in fresh.items()]
+    kept += [{**settings_of(g), **(late_settings(groups[0], bases(name), bases(groups[0][NAME])) if groups else {}),
+              NAME: name, **_structure_of(g)} for name, g in fresh.items()]
     return kept, list(fresh)
 
 
@@ -95,10 +132,11 @@ class LaterGroups:
                 wanted[algorithm] = [placeholder(algorithm)]
 
     def place(self, optimizers: dict[str, Optimizer], wanted: dict[str, list[dict[str, Any]]],
-              build: Callable[[str, list[dict[str, Any]]], Optimizer]) -> list[str]:
+              build: Callable[[str, list[dict[str, Any]]], Optimizer],
+              settings: dict[str, dict[str, Any]]) -> list[str]:
         """Make ``optimizers`` (by algorithm) hold the groups ``wanted`` where it moves parameters (which hold no
         state worth keeping: a later batch first reached them), built as ``build`` builds them; returns the moved
-        parameters' names (see the module's docstring)."""
+        parameters' names (see the module's docstring; ``settings``: the groups' own, `group_bases`)."""
         held = held_tensors(optimizers.values())
         now = {n: (a, g[NAME]) for a, o in optimizers.items() for g in o.param_groups for n in g[PARAM_NAMES]}
         then = {n: (a, g[NAME]) for a, groups in wanted.items() for g in groups for n, _ in g["params"] if n in held}
@@ -110,18 +148,19 @@ class LaterGroups:
             optimizer = optimizers[algorithm]
             groups = [{**g, "params": [(n, held[n]) for n, _ in g["params"]]} for g in wanted[algorithm]]
             built = build(algorithm, groups).param_groups if groups else []
-            optimizer.param_groups[:], late = regrouped(optimizer.param_groups, built)
+            optimizer.param_groups[:], late = regrouped(optimizer.param_groups, built,
+                                                        group_bases(optimizer.defaults, settings))
             self.late.setdefault(algorithm, []).extend(late)
             for name in moved:
                 optimizer.state.pop(held[name], None)  # (a fresh, all-zero buffer: see `stepped`)
         return moved
 
-    def follow(self, algorithm: str | None, groups: list[dict[str, Any]]) -> None:
+    def follow(self, algorithm: str | None, groups: list[dict[str, Any]], bases: Bases) -> None:
         """After a scheduler stepped an optimizer's first groups: its late ``groups`` take their first group's
-        settings."""
+        settings, at their own ratio to them (`late_settings`; ``bases``: the groups' base settings)."""
         for group in groups:
             if self.is_late(algorithm, group) and group is not groups[0]:
-                group.update(settings_of(groups[0]))
+                group.update(late_settings(groups[0], bases(group[NAME]), bases(groups[0][NAME])))
 
     def record(self) -> dict[str, Any]:
         """What a checkpoint records of them (nothing where later batches arranged no group)."""

@@ -31,6 +31,7 @@ that says why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from enum import Enum
@@ -41,7 +42,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_muon.lightning._late import LaterGroups, Layout, held_tensors
+from lightning_muon.lightning._late import LaterGroups, Layout, group_bases, held_tensors
 from lightning_muon.optim.groups import MATRIX_BLOCKS, MATRIX_LAYOUTS, NAME, PARAM_NAMES, blocks_of, layouts_of
 from lightning_muon.routing import ADAMW, MUON, Algorithm, Group, Routing
 
@@ -129,7 +130,7 @@ def wanted_groups(routing: Routing, algorithms: list[str], added: dict[str, list
     its parameter names by group name), its parameters split again by ``routing``, at the lr that optimizer's part
     has (``lrs``, by algorithm and group name): a first batch after an unfreeze keeps what it added apart."""
     in_added = {n for names in added.values() for n in names}
-    base = Routing([r for r in routing.routes if r.name not in in_added], routing.params)
+    base = dataclasses.replace(routing, routes=[r for r in routing.routes if r.name not in in_added])
     groups: dict[str, list[dict[str, Any]]] = {}
     for algorithm in (MUON, ADAMW):
         kept = keep_both and algorithm in algorithms
@@ -274,8 +275,8 @@ class OptimizerPair:
         place)."""
         held = held_tensors(self.optimizers.values())
         # (what the optimizers do not hold yet, such as a parameter unfrozen by hand, stays out of them)
-        wanted = self._wanted(Routing([r for r in routing.routes if r.name in held], routing.params))
-        return self.later.place(self.optimizers, wanted, self._build)
+        wanted = self._wanted(dataclasses.replace(routing, routes=[r for r in routing.routes if r.name in held]))
+        return self.later.place(self.optimizers, wanted, self._build, self.config.group_settings)
 
     def _build(self, algorithm: str, groups: list[dict[str, Any]]) -> Optimizer:
         """An optimizer of ``algorithm`` over ``groups``, built as the config builds the fit's (to read groups from)."""
@@ -377,7 +378,7 @@ class OptimizerPair:
             yield
         finally:
             optimizer.param_groups = groups
-            self.later.follow(algorithm, groups)
+            self.later.follow(algorithm, groups, group_bases(optimizer.defaults, self.config.group_settings))
 
     # ------------------------------------------------------------------ checkpoints
 

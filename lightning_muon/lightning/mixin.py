@@ -96,24 +96,23 @@ class MuonMixin(_LightningModuleBase):
             ``None``: constant lr.
         muon_params: glob patterns of parameter names forced onto Muon.
         adamw_params: glob patterns of parameter names forced onto AdamW.
-        accumulate_grad_batches: micro-batches per update (the same as ``Trainer(accumulate_grad_batches=...)``;
-            give it in one place).
+        accumulate_grad_batches: micro-batches per update (as ``Trainer(accumulate_grad_batches=...)``: give one).
         gradient_clip_val: clip the global gradient norm over both optimizers to this value (as
             ``Trainer(gradient_clip_val=...)`` does, which also takes ``gradient_clip_algorithm="value"``);
             ``None``: no clipping.
-        parent_lr: train with the learning rate and weight decay of the parent's ``configure_optimizers`` (its first
-            optimizer's): AdamW at them, Muon at them with ``adjust_lr_fn="match_rms_adamw"`` (its update RMS
-            matched to AdamW's). Off by default: on three forecasting modules (TFT, N-BEATS, DeepAR) the mixin's own
-            lrs reached a lower loss on two.
+        parent_lr: train at the lr and weight decay of the parent's ``configure_optimizers`` (its first optimizer's):
+            AdamW at them, Muon with ``adjust_lr_fn="match_rms_adamw"``. Off by default: on three forecasting
+            modules (TFT, N-BEATS, DeepAR) the mixin's own lrs reached a lower loss on two.
         split_fused: orthogonalise each block of a fused projection the routing finds (GPT-2's ``c_attn``,
             ``nn.MultiheadAttention``'s ``in_proj_weight``, litgpt's ``qkv``, fused MoE ``gate_up_proj``) on its
             own, as separate layers would be; off by default (the routing table names them). An LSTM's or GRU's
             gates are split whatever it says (measured better).
         matrix_blocks: glob pattern -> row-block sizes of those Muon matrices (``{"*.qkv.weight": [64, 64, 64]}``),
             or ``None`` to keep a found one whole; the first matching pattern decides, over ``split_fused``.
+        group_settings: a routing group's own settings over its optimizer's (keys ``lr``, ``weight_decay``,
+            ``betas``, ``eps``, ``momentum``): ``{"embeddings": {"lr": 0.01}, "head": {"weight_decay": 0.0}}``.
         max_consecutive_skips: updates with non-finite gradients are skipped for both optimizers; after this many in
-            a row, fit stops with an error naming the parameters (16-mixed overflows are the scaler's business and
-            do not count).
+            a row, fit stops with an error naming the parameters (16-mixed overflows do not count).
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -138,13 +137,14 @@ class MuonMixin(_LightningModuleBase):
         parent_lr: bool = False,
         split_fused: bool = False,
         matrix_blocks: dict[str, list[int] | None] | None = None,
+        group_settings: dict[str, dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> None:
         config = MuonConfig.from_arguments(
             muon=muon, adamw=adamw, lr_scheduler=lr_scheduler, muon_params=muon_params, adamw_params=adamw_params,
             accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
             max_consecutive_skips=max_consecutive_skips, parent_lr=parent_lr, split_fused=split_fused,
-            matrix_blocks=matrix_blocks,
+            matrix_blocks=matrix_blocks, group_settings=group_settings,
         )
         # Rebind the arguments to plain data before the parent's __init__ runs: a parent calling
         # save_hyperparameters() collects these frames' locals, and checkpoints must load with weights_only.
@@ -360,6 +360,7 @@ def _load_checkpoint(module: MuonMixin, checkpoint: dict[str, Any]) -> None:
         module._muon_config = settings_from_checkpoint(checkpoint, saved, module._muon_config, MuonMixin)
     if (roles := _checkpoint.saved_roles(saved, resuming, _checkpoint.stepped(checkpoint))) is not None or resuming:
         module._muon_roles = roles
-    if resuming:  # optimizer states follow: they must meet the parameters they were saved for
+    if resuming:  # optimizer states follow: they must meet the parameters they were saved for, with their settings
+        _checkpoint.check_group_settings(saved, module._muon_config.group_settings)
         check_resume(module, checkpoint, saved, module.muon_routing(), module._muon_fit)
     module._muon_loop.load_state_dict(saved)

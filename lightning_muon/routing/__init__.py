@@ -31,17 +31,20 @@ decision.
 
 The modules behind this face: ``_vocabulary`` (`Algorithm`, `Rule`), ``_roles`` (what the model says about a
 module: heads, input layer, tables), ``_trace`` (what a training batch shows), ``_rules`` (the decision),
-``_route`` (`Route`), ``_routing`` (`Routing`) and ``_table`` (the table).
+``_route`` (`Route`), ``_routing`` (`Routing`), ``_settings`` (each group's own settings) and ``_table`` (the
+table).
 """
 
 from lightning_muon.routing._roles import find_output_heads
 from lightning_muon.routing._route import Route
 from lightning_muon.routing._routing import Routing
 from lightning_muon.routing._rules import check_pattern_list, route_parameters
+from lightning_muon.routing._settings import SETTING_KEYS, check_group_settings, check_settings_taken
 from lightning_muon.routing._trace import GraphRoles, loss_in, trace_roles, trace_step
 from lightning_muon.routing._vocabulary import ADAMW, MUON, Algorithm, Group, Rule
 
 __all__ = [
-    "ADAMW", "MUON", "Algorithm", "GraphRoles", "Group", "Route", "Routing", "Rule", "check_pattern_list",
-    "find_output_heads", "loss_in", "route_parameters", "trace_roles", "trace_step",
+    "ADAMW", "MUON", "SETTING_KEYS", "Algorithm", "GraphRoles", "Group", "Route", "Routing", "Rule",
+    "check_group_settings", "check_pattern_list", "check_settings_taken", "find_output_heads",
+    "loss_in", "route_parameters", "trace_roles", "trace_step",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import Tensor
@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_muon.optim.groups import MATRIX_BLOCKS, MATRIX_LAYOUTS, NAME
 from lightning_muon.routing import _table
 from lightning_muon.routing._route import Route
+from lightning_muon.routing._settings import group_setting_values
 from lightning_muon.routing._vocabulary import Algorithm, Group
 
 __all__ = ["Route", "Routing"]
@@ -51,6 +52,9 @@ class Routing:
     params: dict[str, Tensor]
     #: Where output heads and input layers came from, for people (the table's last lines say it).
     roles_from: str = "names and structure (no training batch seen)"
+    #: Each group's own settings by group name (``{"embeddings": {"lr": 0.01}}``), put into its param group, where
+    #: they take precedence over the optimizer's defaults (`route_parameters`' ``group_settings``).
+    group_settings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def groups(self, optimizer: str) -> list[dict[str, Any]]:
         """Param groups for ``optimizer`` (``"Muon"`` or ``"AdamW"``), non-empty, in a fixed order.
@@ -59,7 +63,7 @@ class Routing:
         which every ``torch.optim.Optimizer`` accepts (it keeps the names as
         ``param_names``); a Muon group with stacked or ``in x out`` matrices also has
         ``"matrix_layouts"``, one per parameter, and one with fused projections split into blocks
-        ``"matrix_blocks"``.
+        ``"matrix_blocks"``; a group with `group_settings` has them too (``"lr"``, ``"weight_decay"``, ...).
         """
         algorithm = Algorithm(optimizer)
         groups: list[dict[str, Any]] = []
@@ -67,7 +71,8 @@ class Routing:
             routes = [r for r in self.routes if r.optimizer is algorithm and r.group == group]
             if not routes:
                 continue
-            groups.append({NAME: group.value, "params": [(r.name, self.params[r.name]) for r in routes]})
+            groups.append({NAME: group.value, "params": [(r.name, self.params[r.name]) for r in routes],
+                           **group_setting_values(self.group_settings.get(group.value, {}))})
             if any(r.layout != "flatten" for r in routes):  # only where needed: plain groups stay as they were
                 groups[-1][MATRIX_LAYOUTS] = [r.layout for r in routes]
             if any(r.blocks for r in routes):
@@ -98,23 +103,23 @@ class Routing:
             if r.optimizer is Algorithm.MUON else r
             for r in self.routes
         ]
-        return Routing(routes=moved, params=self.params, roles_from=self.roles_from)
+        return replace(self, routes=moved)
 
     # The table (`lightning_muon.routing._table`).
 
     def rich_table(self, effective_lr: Callable[[Route], float | None] | None = None) -> Any:
         """A ``rich.table.Table`` (rich installed): parameter, shape, optimizer, group, reason, the rule that
-        decided (and effective lr)."""
-        return _table.rich_table(self.routes, self.roles_from, effective_lr)
+        decided (and effective lr); each group's own settings close it."""
+        return _table.rich_table(self.routes, self.roles_from, effective_lr, self.group_settings)
 
     def plain_table(self, effective_lr: Callable[[Route], float | None] | None = None, width: int | None = None) -> str:
         """The table in aligned plain-text columns (what `render` gives without rich); with ``width``, each reason
         wraps onto more lines so that the rows fit that many columns."""
-        return _table.plain_table(self.routes, self.roles_from, effective_lr, width)
+        return _table.plain_table(self.routes, self.roles_from, effective_lr, width, self.group_settings)
 
     def render(self, effective_lr: Callable[[Route], float | None] | None = None, width: int = 140) -> str:
         """The table as plain text: drawn by rich when it is installed, else `plain_table`."""
-        return _table.render(self.routes, self.roles_from, effective_lr, width)
+        return _table.render(self.routes, self.roles_from, effective_lr, width, self.group_settings)
 
     def __str__(self) -> str:
         return self.render()

@@ -9,6 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Any
 
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
@@ -18,6 +19,7 @@ from lightning_muon.optim._dtensor import fsdp1_wrapped
 from lightning_muon.routing import _roles
 from lightning_muon.routing._route import Route
 from lightning_muon.routing._routing import Routing
+from lightning_muon.routing._settings import check_group_settings
 from lightning_muon.routing._trace import TABLE_USES, USES, GraphRoles
 from lightning_muon.routing._vocabulary import Algorithm, Rule
 
@@ -401,6 +403,7 @@ def route_parameters(
     graph: GraphRoles | None = None,
     split_fused: bool = False,
     matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
+    group_settings: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Routing:
     """Decide Muon or AdamW for every trainable parameter of ``module``, with a reason and the rule that decided.
 
@@ -420,6 +423,9 @@ def route_parameters(
         matrix_blocks: glob patterns on full parameter names -> the row-block sizes of those Muon parameters along
             their output dim (``{"*.c_attn.weight": [768, 768, 768]}``), or ``None`` to keep a found one fused;
             the first matching pattern decides, over ``split_fused``.
+        group_settings: group name -> that group's own settings (keys ``lr``, ``weight_decay``, ``betas``,
+            ``eps``, ``momentum``), put into its param group (`Routing.groups`), where torch's optimizers take them
+            over their defaults: ``{"embeddings": {"lr": 0.01, "weight_decay": 0.0}, "head": {"lr": 0.002}}``.
 
     Fused projections (``nn.MultiheadAttention``'s ``in_proj_weight``, GPT-2's ``c_attn``, litgpt's ``qkv``,
     transformers' fused MoE ``gate_up_proj``) are found by module type and shape and named in the reason. With
@@ -454,11 +460,13 @@ def route_parameters(
 
     Raises:
         ValueError: a pattern matches nothing, a parameter matches both kinds
-            of pattern, a tensor Muon cannot take is forced to Muon, or ``matrix_blocks`` sets blocks that do not
+            of pattern, a tensor Muon cannot take is forced to Muon, ``group_settings`` names an unknown group or
+            setting, or ``matrix_blocks`` sets blocks that do not
             fit a parameter (or any with a Muon class that cannot split them, ``muon_nd=False``), or FSDP1
             (``FullyShardedDataParallel``) has flattened the model's parameters (FSDP2's ``fully_shard`` is the
             sharding Muon supports).
     """
+    settings = check_group_settings(group_settings)
     trainable: dict[str, Tensor] = {name: p for name, p in module.named_parameters() if p.requires_grad}
     lazy = [name for name, p in trainable.items() if is_lazy(p)]
     if lazy:
@@ -513,7 +521,7 @@ def route_parameters(
     routed = [r.name for r in routes]
     if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's
         raise RuntimeError(f"lightning_muon routed {sorted(routed)} for the trainable parameters {sorted(trainable)}")
-    return Routing(routes=routes, params=dict(trainable), roles_from=_roles_from(graph))
+    return Routing(routes=routes, params=dict(trainable), roles_from=_roles_from(graph), group_settings=settings)
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,19 @@ TITLE = "lightning_muon routing"
 EffectiveLr = Callable[["Route"], "float | None"]
 
 
-def _cells(routes: Sequence[Route], roles_from: str,
-           effective_lr: EffectiveLr | None) -> tuple[list[str], list[list[str]], str]:
-    """The table's header, rows and closing lines (where the roles came from, the totals), as text."""
+def _settings_lines(settings: dict[str, dict[str, Any]] | None) -> list[str]:
+    """The closing lines that give each group's own settings (`route_parameters`' ``group_settings``), if any."""
+    if not settings:
+        return []
+    return ["Settings per group (over the optimizer's own):",
+            *(f"  {name}: " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
+              for name, values in settings.items())]
+
+
+def _cells(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None,
+           settings: dict[str, dict[str, Any]] | None = None) -> tuple[list[str], list[list[str]], str]:
+    """The table's header, rows and closing lines (where the roles came from, the totals, each group's own
+    settings), as text."""
     header = ["parameter", "shape", "optimizer", "group", "reason", "rule"]
     if effective_lr is not None:
         header.append("effective lr")
@@ -40,14 +50,16 @@ def _cells(routes: Sequence[Route], roles_from: str,
         f"{opt}: {tensors} tensor{'' if tensors == 1 else 's'}, {numel:,} parameter{'' if numel == 1 else 's'}"
         for opt, (tensors, numel) in counts.items()
     )
-    return header, rows, f"Output heads and input layers: from {roles_from}.\n{totals}"
+    return header, rows, "\n".join([f"Output heads and input layers: from {roles_from}.", totals,
+                                    *_settings_lines(settings)])
 
 
-def rich_table(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None = None) -> Any:
+def rich_table(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None = None,
+               settings: dict[str, dict[str, Any]] | None = None) -> Any:
     """A ``rich.table.Table`` (rich installed)."""
     from rich.table import Table
 
-    header, rows, totals = _cells(routes, roles_from, effective_lr)
+    header, rows, totals = _cells(routes, roles_from, effective_lr, settings)
     table = Table(title=TITLE, show_lines=False)
     for column in header:
         table.add_column(column, justify="right" if column == "effective lr" else "left")
@@ -58,10 +70,10 @@ def rich_table(routes: Sequence[Route], roles_from: str, effective_lr: Effective
 
 
 def plain_table(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None = None,
-                width: int | None = None) -> str:
+                width: int | None = None, settings: dict[str, dict[str, Any]] | None = None) -> str:
     """The table in aligned plain-text columns; with ``width``, the ``reason`` column is wrapped onto more lines
     so that the rows fit that many columns (where the other columns leave it room)."""
-    header, rows, totals = _cells(routes, roles_from, effective_lr)
+    header, rows, totals = _cells(routes, roles_from, effective_lr, settings)
     widths = [max(len(line[i]) for line in [header, *rows]) for i in range(len(header))]
     reason = header.index("reason")
     if width is not None:
@@ -84,14 +96,14 @@ def plain_table(routes: Sequence[Route], roles_from: str, effective_lr: Effectiv
 
 
 def render(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None = None,
-           width: int = 140) -> str:
+           width: int = 140, settings: dict[str, dict[str, Any]] | None = None) -> str:
     """The table as plain text: drawn by rich when it is installed, else `plain_table`."""
     try:
         from rich.console import Console
     except ImportError:
-        return plain_table(routes, roles_from, effective_lr)
+        return plain_table(routes, roles_from, effective_lr, settings=settings)
 
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, no_color=True, force_terminal=False)
-    console.print(rich_table(routes, roles_from, effective_lr))
+    console.print(rich_table(routes, roles_from, effective_lr, settings))
     return buffer.getvalue()

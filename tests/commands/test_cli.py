@@ -195,6 +195,21 @@ def test_inspect_prints_char_gpt_routing(capsys):
     assert "Muon's update rule: Muon." in out
 
 
+def test_group_settings_from_yaml_reach_the_table_and_the_optimizers(capsys, tmp_path):
+    """Settings per group in a config file: inspect shows each parameter's lr and the settings, and the model
+    LightningCLI builds holds them as plain hyperparameters."""
+    extra = tmp_path / "groups.yaml"
+    extra.write_text("model:\n  group_settings:\n    embeddings: {lr: 0.01, weight_decay: 0.0}\n"
+                     "    head: {lr: 0.002, betas: [0.8, 0.99]}\n")
+    main(["inspect", "--config", "gpt_muon.yaml", "--config", str(extra)])
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in out.splitlines()
+            if line.startswith("│") and "." in line.split("│")[1]}
+    assert (rows["wte.weight"][-1], rows["lm_head.weight"][-1]) == ("0.01", "0.002")
+    assert rows["blocks.0.attn.qkv.weight"][-1] == "0.0346"  # Muon's, as configured
+    assert "embeddings: lr=0.01, weight_decay=0" in out and "head: lr=0.002, betas=[0.8, 0.99]" in out
+
+
 def test_inspect_says_the_update_rule_a_config_chooses(capsys):
     main(["inspect", "--config", "gpt_normuon.yaml", "--model.muon.init_args.cautious_weight_decay", "true"])
     assert "Muon's update rule: NorMuon (normuon_beta2=0.95), cautious weight decay." in capsys.readouterr().out
