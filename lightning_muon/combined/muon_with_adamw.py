@@ -67,9 +67,9 @@ class MuonWithAdamW(Optimizer):
         ```
 
     Args:
-        params: the model (an ``nn.Module``, routed by `lightning_muon.route_parameters`), a
-            `lightning_muon.Routing`, or param groups each with ``algorithm`` (their ``params`` tensors or
-            ``(name, tensor)`` pairs). A bare list of parameters is refused: it does not say which are matrices.
+        params: the model (an ``nn.Module``, routed by `lightning_muon.route_parameters`), a `lightning_muon.Routing`,
+            or param groups each with ``algorithm`` (their ``params`` tensors or ``(name, tensor)`` pairs); a bare
+            list of parameters is refused (it does not say which are matrices).
         lr: Muon's learning rate (before the shape scaling of ``adjust_lr_fn``).
         weight_decay: Muon's decoupled weight decay, applied with the unscaled lr.
         momentum: Muon's momentum factor, in ``[0, 1)``.
@@ -100,8 +100,7 @@ class MuonWithAdamW(Optimizer):
         adamw_params: glob patterns of parameter names forced onto AdamW (a model only).
         split_fused: orthogonalise each block of a fused projection on its own (a model only).
         matrix_blocks: glob pattern -> row-block sizes of those Muon matrices, ``None``: whole (a model only).
-        group_settings: group name -> its own settings (``{"head": {"lr": 0.01}}``; a model only: a `Routing` has
-            its own): ``lr``, ``weight_decay``, ``betas``, ``eps``, ``momentum``, those its algorithm takes.
+        group_settings: group name -> its own ``lr``/``weight_decay``/``betas``/``eps``/``momentum`` (a model only).
 
     Raises:
         ValueError: a bad setting (quoting it, as `Muon` and ``AdamW`` word it), a group without a valid
