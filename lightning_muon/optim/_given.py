@@ -67,7 +67,7 @@ class GivenShapes:
                   refusal: Callable[[Tensor, str, Any], str | None]) -> None:
         """A tensor of group ``k`` (position ``i``) this optimizer was not given: check it, record it."""
         p, count = group["params"][i], len(group["params"])
-        layouts, blocks = group.get("matrix_layouts"), group.get("matrix_blocks")
+        layouts, blocks = group.get(groups.MATRIX_LAYOUTS), group.get(groups.MATRIX_BLOCKS)
         described = all(entries is None or len(entries) == count for entries in (layouts, blocks))
         if not described or refusal(p, groups.layouts_of(group)[i], groups.blocks_of(group)[i]) is not None:
             raise RuntimeError(
@@ -84,7 +84,7 @@ def _refers_to(ref: weakref.ref[Tensor], tensor: Tensor) -> bool:
 
 def _describe(group: dict[str, Any], i: int, index: int) -> str:
     """`groups.describe_param`, its name left out where the group's names no longer match its tensors."""
-    names = group.get("param_names")
+    names = group.get(groups.PARAM_NAMES)
     if names is not None and len(names) != len(group["params"]):
         return f"parameter {index}"
     return groups.describe_param(group, i, index)
