@@ -133,6 +133,10 @@ class Bucket(NamedTuple):
     states: Mapping[str, Sequence[Tensor]] = NO_STATES
     #: The group's settings as the step resolved them; ``None``: resolved when read (`settings`).
     resolved: GroupSettings | None = None
+    #: Where the bucket holds blocks of DTensor parameters, stepped on whole copies gathered on every rank:
+    #: ``(DTensor, its whole copy)`` of each tensor the step changes, each rank's shard written back after the step
+    #: (`lightning_muon.optim._update.write_back`); empty otherwise.
+    gathered: tuple[tuple[Tensor, Tensor], ...] = ()
 
     @property
     def settings(self) -> GroupSettings:

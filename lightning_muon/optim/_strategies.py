@@ -128,19 +128,27 @@ class LocalStep(Strategy):
         super().__init__(description, fallback=fallback, complete_state=complete_state)
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
-        diagnostics: list[ParamDiagnostics] = []
         self.ns_flops = sum(bucket.flops for bucket in buckets)
-        # Call by call (a bucket, or one with its transposed twin: `ns_batches`), so a matrix's buffer and
-        # gradient are still in cache for its whole update (on CPU, sweeping every buffer first and
-        # orthogonalising afterwards measured slower).
-        for batch in _update.ns_batches(buckets):
-            chosen = [buckets[j] for j in batch]
-            results = _update.orthogonalise_buckets(chosen, [_update.momentum(b) for b in chosen])
-            for bucket, orthogonal in zip(chosen, results, strict=True):
-                _update.apply(bucket, orthogonal)
-                if diagnose is not None:
-                    diagnostics += _update.record(bucket, orthogonal, diagnose)
-        return diagnostics
+        return step_here(buckets, diagnose)
+
+
+def step_here(buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
+    """Every bucket orthogonalised and applied on this rank; blocks of DTensor parameters stepped on their whole
+    copies (`_update.gather_whole`) and each rank's shard written back. The diagnostics ``diagnose`` chooses."""
+    diagnostics: list[ParamDiagnostics] = []
+    chooser = None if diagnose is None else _update.whole_chooser(buckets, diagnose)
+    # Call by call (a bucket, or one with its transposed twin: `ns_batches`), so a matrix's buffer and
+    # gradient are still in cache for its whole update (on CPU, sweeping every buffer first and
+    # orthogonalising afterwards measured slower).
+    for batch in _update.ns_batches(buckets):
+        chosen = [buckets[j] for j in batch]
+        results = _update.orthogonalise_buckets(chosen, [_update.momentum(b) for b in chosen])
+        for bucket, orthogonal in zip(chosen, results, strict=True):
+            _update.apply(bucket, orthogonal)
+            if chooser is not None:
+                diagnostics += _update.record(bucket, orthogonal, chooser)
+    _update.write_back(buckets)
+    return diagnostics
 
 
 class DistributedStep(Strategy):
@@ -263,6 +271,14 @@ class ShardedStep(DistributedStep):
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
         self.exchanged_bytes = self.buffers.largest = 0
         self.rounds = self.largest_buffer = self.ns_flops = 0
+        # Blocks of DTensor parameters (plain buckets of whole copies) step on every rank, as on one process.
+        gathered = [bucket for bucket in buckets if bucket.gathered]
+        self.ns_flops = sum(bucket.flops for bucket in gathered)
+        diagnostics = step_here(gathered, diagnose) if gathered else []
+        return self._run_sharded([bucket for bucket in buckets if not bucket.gathered], diagnose) + diagnostics
+
+    def _run_sharded(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
+        """`run` of the buckets of DTensors: the owner exchange."""
         if not buckets:  # the same on every rank: which parameters have gradients was agreed
             return []
         # The local shards (views: in-place updates reach the DTensors) do all the elementwise work.
