@@ -134,8 +134,8 @@ class Bucket(NamedTuple):
     #: The group's settings as the step resolved them; ``None``: resolved when read (`settings`).
     resolved: GroupSettings | None = None
     #: Where the bucket holds blocks of DTensor parameters, stepped on whole copies gathered on every rank:
-    #: ``(DTensor, its whole copy)`` of each tensor the step changes, each rank's shard written back after the step
-    #: (`lightning_muon.optim._update.write_back`); empty otherwise.
+    #: ``(DTensor, its whole copy)`` of each tensor the step changes, each rank's shard of the copy written back into
+    #: the DTensor after the step; empty otherwise.
     gathered: tuple[tuple[Tensor, Tensor], ...] = ()
 
     @property
