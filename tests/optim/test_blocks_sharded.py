@@ -158,3 +158,48 @@ def test_blocks_on_sharded_parameters_step_exactly_as_one_process(tmp_path):
     assert torch.equal(ranks[0]["fsdp2"][3], muon.state[alone.qkv.weight][SECOND_MOMENT])
     assert ranks[0]["tp"][3] == [(Shard(0),), (Shard(1),)]
     assert len(ranks[0]["2d"][3][0]) == 2  # on both mesh dims
+
+
+def _four_ranks_main(argv: list[str]) -> None:
+    """On each of 4 ranks, on given gradients: HSDP on a 2 x 2 mesh (two replicas of 2 shards) and FSDP2 over tensor
+    parallelism on a 2 x 2 mesh (each rank a block of ``qkv`` and ``up``); the whole parameters saved."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    results = {}
+    model, mesh = Net(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for module in (model.qkv, model.up, model.conv, model.lstm, model.head):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    muon = _muon(model, MUON)
+    _step_given({n: model.get_parameter(n) for n in MUON}, muon)
+    results["hsdp"] = (_whole(model), muon.strategy.kind)
+    model, mesh = Net(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"qkv": ColwiseParallel(), "up": RowwiseParallel()})
+    for module in (model.qkv, model.up):
+        fully_shard(module, mesh=mesh["dp"])
+    muon = _muon(model, TP)
+    _step_given({n: model.get_parameter(n) for n in TP}, muon)
+    results["2d"] = (_whole(model), muon.strategy.kind)
+    torch.save(results, Path(argv[0]) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_blocks_on_four_ranks_in_2d_and_hsdp_step_exactly_as_one_process(tmp_path):
+    """Two real mesh dims: HSDP's replicas each gather their own shards; FSDP2 over tensor parallelism cuts ``qkv``
+    (12 rows) into 4 row shards of 3 (each of its blocks across a boundary) and ``up`` into row and column shards."""
+    run_ranks(_four_ranks_main, [str(tmp_path)], 4)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    for name, names in (("hsdp", MUON), ("2d", TP)):
+        alone = Net()
+        _step_given({n: alone.get_parameter(n) for n in names}, _muon(alone, names))
+        for r, got in enumerate(ranks):
+            assert got[name][1] == "sharded", name
+            for key, p in _whole(alone).items():
+                assert torch.equal(got[name][0][key], p), f"{name}, rank {r}: {key}"
