@@ -57,15 +57,20 @@ def _muon(model: nn.Module, names: list[str], split_ns: bool = True) -> Muon:
     return Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, normuon_beta2=0.9, split_ns=split_ns)
 
 
-def _fit(model: nn.Module, muon: Muon) -> None:
-    """``STEPS`` steps on the same batch on every rank (so FSDP2's averaged gradients are one process's)."""
+def _fit(model: nn.Module, muon: Muon) -> list[tuple]:
+    """``STEPS`` steps on the same batch on every rank (so FSDP2's averaged gradients are one process's); the last
+    one's diagnostics (name, shape, effective lr, orthogonality error, update RMS)."""
     generator = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         x = torch.randn(2, 4, 8, generator=generator)
         y = torch.randn(2, 4, 3, generator=generator)
         nn.functional.mse_loss(model(x), y).backward()
+        if step == STEPS - 1:
+            muon.record_diagnostics()
         muon.step()
         muon.zero_grad()
+    return [(d.name, d.shape, d.effective_lr, float(d.orthogonality_error), float(d.update_rms))
+            for d in muon.diagnostics]
 
 
 def _step_given(params: dict[str, nn.Parameter], muon: Muon) -> None:
@@ -107,10 +112,10 @@ def _ranks_main(argv: list[str]) -> None:
             fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
         muon = _muon(model, MUON, split_ns=split)
-        _fit(model, muon)
+        diagnostics = _fit(model, muon)
         qkv = model.get_parameter("qkv.weight")
         results[name] = (_whole(model), muon.strategy.kind, muon.state[qkv]["momentum_buffer"].to_local().shape,
-                         muon.state[qkv][SECOND_MOMENT])
+                         muon.state[qkv][SECOND_MOMENT], diagnostics)
     for name, shape in (("tp", (2,)), ("2d", (1, 2))):  # 2-D: FSDP2 over tensor parallelism, on a 1 x 2 mesh
         model, mesh = Net(), init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[-len(shape):])
         parallelize_module(model, mesh["tp"], {"qkv": ColwiseParallel(), "up": RowwiseParallel()})
@@ -134,7 +139,7 @@ def test_blocks_on_sharded_parameters_step_exactly_as_one_process(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     alone = Net()
     muon = _muon(alone, MUON)
-    _fit(alone, muon)
+    diagnostics = _fit(alone, muon)
     # the defaults split the gates and the groups; the blocks given by hand are kept
     blocks = dict(zip(muon.param_groups[0]["param_names"], muon.param_groups[0]["matrix_blocks"], strict=True))
     assert blocks == {**BLOCKS, "conv.weight": [2, 2, 2], "lstm.weight_ih_l0": [5] * 4,
@@ -156,6 +161,13 @@ def test_blocks_on_sharded_parameters_step_exactly_as_one_process(tmp_path):
     assert [r["tp"][2] for r in ranks] == [torch.Size([9, 6])] * 2
     # NorMuon's moments, per block on the whole rows, as one process's
     assert torch.equal(ranks[0]["fsdp2"][3], muon.state[alone.qkv.weight][SECOND_MOMENT])
+    # diagnostics block by block (equal blocks: one stack), as one process's
+    assert [d[:2] for d in diagnostics] == [("qkv.weight", (12, 8)), ("up.weight[0]", (4, 12)),
+                                            ("up.weight[1]", (2, 12)), ("up.weight[2]", (3, 12)),
+                                            ("conv.weight", (6, 3, 3)), ("lstm.weight_ih_l0", (20, 6)),
+                                            ("lstm.weight_hh_l0", (20, 5))]
+    for name in ("fsdp2", "fsdp2-every-rank", "hsdp"):
+        assert sorted(ranks[0][name][4]) == sorted(diagnostics), name
     assert ranks[0]["tp"][3] == [(Shard(0),), (Shard(1),)]
     assert len(ranks[0]["2d"][3][0]) == 2  # on both mesh dims
 
