@@ -137,6 +137,9 @@ class Bucket(NamedTuple):
     #: ``(DTensor, its whole copy)`` of each tensor the step changes, each rank's shard of the copy written back into
     #: the DTensor after the step; empty otherwise.
     gathered: tuple[tuple[Tensor, Tensor], ...] = ()
+    #: The row blocks of the bucket's one DTensor parameter (its ``matrix_blocks`` entry), stepped whole on an owner
+    #: rank that splits it (the sharded strategy's); ``None``: the bucket's matrices are what Newton-Schulz sees.
+    blocks: tuple[int, ...] | None = None
 
     @property
     def settings(self) -> GroupSettings:

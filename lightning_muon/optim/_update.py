@@ -92,6 +92,7 @@ def collect_buckets(
     synced: bool,
     named: bool,
     complete: bool = False,
+    owner_blocks: bool = False,
 ) -> list[Bucket]:
     """The buckets of one step, over the parameters flagged in ``has_grad`` (in param-group order).
 
@@ -102,7 +103,8 @@ def collect_buckets(
 
     A DTensor parameter split into blocks (``matrix_blocks``) steps on whole copies (`gather_whole`): its blocks are
     the one-process ones, in plain-tensor buckets that carry the copies to write back (`Bucket.gathered`,
-    `write_back`).
+    `write_back`). With ``owner_blocks`` (the sharded strategy, no diagnostics), one flattened (`owns_blocks`) is a
+    bucket of its own instead, whole, with its blocks (`Bucket.blocks`), for an owner rank to split.
     """
     buckets, index = [], 0
     for group in param_groups:
@@ -126,6 +128,11 @@ def collect_buckets(
             # stack of them (off the exact path).
             whole = [p, grad, state[p][MOMENTUM_BUFFER], *(state[p][key] for key in keys)]
             back: tuple[tuple[Tensor, Tensor], ...] = ()
+            if owner_blocks and sizes is not None and owns_blocks(whole, layout):
+                owned = {key: [t] for key, t in zip(keys, whole[3:], strict=True)}
+                buckets.append(Bucket(group, [p], [whole[1]], [whole[2]], [name], matrix_shape(p.shape), layout, 1,
+                                      owned, settings, (), tuple(sizes)))
+                continue
             if sizes is not None and is_dtensor(p):
                 whole, back = gather_whole(whole)
             stack = None if settings.exact else equal_blocks_as_stack(whole, layout, sizes)
@@ -148,6 +155,13 @@ def collect_buckets(
             gathered = tuple({id(pair[0]): pair for k in ks for pair in backs[k]}.values())
             buckets.append(Bucket(group, *pick, *matrices, picked, settings, gathered))
     return buckets
+
+
+def owns_blocks(tensors: Sequence[Tensor], layout: str) -> bool:
+    """Whether a parameter split into blocks can step on an owner rank (the sharded strategy's): a DTensor of the
+    ``"flatten"`` layout whose rules' state (``tensors[3:]``, after the parameter, gradient and momentum buffer) is
+    plain tensors, whole on every rank. Others are gathered whole on every rank (`gather_whole`)."""
+    return layout == "flatten" and is_dtensor(tensors[0]) and not any(is_dtensor(t) for t in tensors[3:])
 
 
 def gather_whole(tensors: Sequence[Tensor]) -> tuple[list[Tensor], tuple[tuple[Tensor, Tensor], ...]]:

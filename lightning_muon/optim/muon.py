@@ -14,7 +14,8 @@ dict can move between the two for 2D parameters. Beyond it:
   orthogonalised per block: a param group's ``matrix_blocks`` (one entry per parameter: ``None``, or the sizes of
   its row blocks along the output dim) steps each block exactly as a separate parameter holding it would (its own
   Newton-Schulz, its own lr scale); the momentum buffer stays whole. On DTensor parameters (FSDP2, HSDP, tensor
-  parallelism) every rank gathers such a parameter whole and steps its blocks as one process does;
+  parallelism) such a parameter goes whole to an owner rank that splits it (or, for the other layouts, is gathered
+  whole on every rank), the same bits as one process;
 - matrices of the same shape are orthogonalised together in one batched call
   (up to ``ns_batch_bytes`` per call), and the elementwise work uses
   ``torch._foreach_*`` kernels;

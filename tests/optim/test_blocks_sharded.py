@@ -24,25 +24,27 @@ from helpers import run_ranks
 STEPS = 3
 #: The blocks given by hand. On 2 ranks: ``qkv`` (12 rows) shards 6/6, its middle block (rows 4-7) straddles;
 #: ``up`` (9 rows) shards 5/4 (uneven), its block of 2 (rows 4-5) straddles.
-BLOCKS = {"qkv.weight": [4, 4, 4], "up.weight": [4, 2, 3]}
+BLOCKS = {"qkv.weight": [4, 4, 4], "qkv2.weight": [4, 4, 4], "up.weight": [4, 2, 3]}
 
 
 class Net(nn.Module):
-    """``qkv`` (equal blocks), ``up`` (unequal), a grouped conv (3 groups of 2 output rows: the middle one straddles
-    the 3/3 shards) and an LSTM (4 gates of 5 rows each, split by default), then a head."""
+    """``qkv`` and ``qkv2`` (equal blocks; one process batches the two stacks in one call), ``up`` (unequal), a
+    grouped conv (3 groups of 2 output rows: the middle one straddles the 3/3 shards) and an LSTM (4 gates of 5 rows
+    each, split by default), then a head."""
 
     def __init__(self) -> None:
         super().__init__()
         with torch.random.fork_rng():
             torch.manual_seed(0)
             self.qkv = nn.Linear(8, 12, bias=False)
+            self.qkv2 = nn.Linear(8, 12, bias=False)
             self.up = nn.Linear(12, 9, bias=False)
             self.conv = nn.Conv1d(9, 6, 3, groups=3, padding=1, bias=False)
             self.lstm = nn.LSTM(6, 5, batch_first=True, bias=False)
             self.head = nn.Linear(5, 3, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.up(torch.tanh(self.qkv(x))))
+        h = torch.tanh(self.up(torch.tanh(self.qkv(x)) * torch.tanh(self.qkv2(x))))
         h = torch.tanh(self.conv(h.transpose(1, 2))).transpose(1, 2)
         return self.head(self.lstm(h)[0])
 
@@ -57,10 +59,11 @@ def _muon(model: nn.Module, names: list[str], split_ns: bool = True) -> Muon:
     return Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, normuon_beta2=0.9, split_ns=split_ns)
 
 
-def _fit(model: nn.Module, muon: Muon) -> list[tuple]:
-    """``STEPS`` steps on the same batch on every rank (so FSDP2's averaged gradients are one process's); the last
-    one's diagnostics (name, shape, effective lr, orthogonality error, update RMS)."""
-    generator = torch.Generator().manual_seed(1)
+def _fit(model: nn.Module, muon: Muon) -> tuple[list[tuple], int]:
+    """``STEPS`` steps on the same batch on every rank (so FSDP2's averaged gradients are one process's): the last
+    one's diagnostics (name, shape, effective lr, orthogonality error, update RMS; a step that diagnoses gathers
+    split parameters whole on every rank), and the bytes the first step exchanged (an owner's exchange)."""
+    generator, sent = torch.Generator().manual_seed(1), 0
     for step in range(STEPS):
         x = torch.randn(2, 4, 8, generator=generator)
         y = torch.randn(2, 4, 3, generator=generator)
@@ -69,8 +72,9 @@ def _fit(model: nn.Module, muon: Muon) -> list[tuple]:
             muon.record_diagnostics()
         muon.step()
         muon.zero_grad()
+        sent = muon.last_exchange_bytes if step == 0 else sent
     return [(d.name, d.shape, d.effective_lr, float(d.orthogonality_error), float(d.update_rms))
-            for d in muon.diagnostics]
+            for d in muon.diagnostics], sent
 
 
 def _step_given(params: dict[str, nn.Parameter], muon: Muon) -> None:
@@ -92,7 +96,7 @@ def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
-MUON = ["qkv.weight", "up.weight", "conv.weight", "lstm.weight_ih_l0", "lstm.weight_hh_l0"]
+MUON = ["qkv.weight", "qkv2.weight", "up.weight", "conv.weight", "lstm.weight_ih_l0", "lstm.weight_hh_l0"]
 TP = ["qkv.weight", "up.weight"]
 
 
@@ -108,14 +112,14 @@ def _ranks_main(argv: list[str]) -> None:
     results = {}
     for name, shape, split in (("fsdp2", (2,), True), ("fsdp2-every-rank", (2,), False), ("hsdp", (1, 2), True)):
         model, mesh = Net(), init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
-        for module in (model.qkv, model.up, model.conv, model.lstm, model.head):
+        for module in (model.qkv, model.qkv2, model.up, model.conv, model.lstm, model.head):
             fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
         muon = _muon(model, MUON, split_ns=split)
-        diagnostics = _fit(model, muon)
+        diagnostics, sent = _fit(model, muon)
         qkv = model.get_parameter("qkv.weight")
         results[name] = (_whole(model), muon.strategy.kind, muon.state[qkv]["momentum_buffer"].to_local().shape,
-                         muon.state[qkv][SECOND_MOMENT], diagnostics)
+                         muon.state[qkv][SECOND_MOMENT], diagnostics, sent)
     for name, shape in (("tp", (2,)), ("2d", (1, 2))):  # 2-D: FSDP2 over tensor parallelism, on a 1 x 2 mesh
         model, mesh = Net(), init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[-len(shape):])
         parallelize_module(model, mesh["tp"], {"qkv": ColwiseParallel(), "up": RowwiseParallel()})
@@ -126,10 +130,30 @@ def _ranks_main(argv: list[str]) -> None:
         _step_given({n: model.get_parameter(n) for n in TP}, muon)
         up = model.get_parameter("up.weight")
         results[name] = (_whole(model), muon.strategy.kind, muon.state[up]["momentum_buffer"].to_local().shape,
-                          [p.placements for p in muon.param_groups[0]["params"]])
+                          [p.placements for p in muon.param_groups[0]["params"]], muon.last_exchange_bytes)
+    results["in_out"] = _in_out(init_device_mesh("cpu", (2,)))
     torch.save(results, Path(argv[0]) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _in_out(mesh=None) -> tuple[list[torch.Tensor], int]:
+    """Two weights stored ``in x out`` (GPT-2's ``c_attn``: blocks along dim 1), one sharded on its rows, one on its
+    columns (the blocks' dim: the middle block straddles), stepped on given gradients (on ``mesh``, or one process):
+    their whole values and the bytes the last step exchanged (none: this layout is gathered whole)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    generator = torch.Generator().manual_seed(3)
+    starts = [torch.randn(8, 12, generator=generator) for _ in range(2)]
+    if mesh is None:
+        params = {f"w{k}": nn.Parameter(w) for k, w in enumerate(starts)}
+    else:
+        params = {f"w{k}": nn.Parameter(distribute_tensor(w, mesh, [Shard(k)])) for k, w in enumerate(starts)}
+    muon = Muon([{"params": list(params.values()), "matrix_layouts": ["in_out"] * 2,
+                  "matrix_blocks": [[4, 4, 4]] * 2}], lr=0.02, weight_decay=0.1, ns_dtype=torch.float32,
+                normuon_beta2=0.9)
+    _step_given(params, muon)
+    return [(p.full_tensor() if mesh is not None else p).detach() for p in params.values()], muon.last_exchange_bytes
 
 
 @pytest.mark.slow
@@ -139,7 +163,7 @@ def test_blocks_on_sharded_parameters_step_exactly_as_one_process(tmp_path):
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     alone = Net()
     muon = _muon(alone, MUON)
-    diagnostics = _fit(alone, muon)
+    diagnostics, _ = _fit(alone, muon)
     # the defaults split the gates and the groups; the blocks given by hand are kept
     blocks = dict(zip(muon.param_groups[0]["param_names"], muon.param_groups[0]["matrix_blocks"], strict=True))
     assert blocks == {**BLOCKS, "conv.weight": [2, 2, 2], "lstm.weight_ih_l0": [5] * 4,
@@ -162,14 +186,23 @@ def test_blocks_on_sharded_parameters_step_exactly_as_one_process(tmp_path):
     # NorMuon's moments, per block on the whole rows, as one process's
     assert torch.equal(ranks[0]["fsdp2"][3], muon.state[alone.qkv.weight][SECOND_MOMENT])
     # diagnostics block by block (equal blocks: one stack), as one process's
-    assert [d[:2] for d in diagnostics] == [("qkv.weight", (12, 8)), ("up.weight[0]", (4, 12)),
-                                            ("up.weight[1]", (2, 12)), ("up.weight[2]", (3, 12)),
+    assert [d[:2] for d in diagnostics] == [("qkv.weight", (12, 8)), ("qkv2.weight", (12, 8)),
+                                            ("up.weight[0]", (4, 12)), ("up.weight[1]", (2, 12)),
+                                            ("up.weight[2]", (3, 12)),
                                             ("conv.weight", (6, 3, 3)), ("lstm.weight_ih_l0", (20, 6)),
                                             ("lstm.weight_hh_l0", (20, 5))]
     for name in ("fsdp2", "fsdp2-every-rank", "hsdp"):
         assert sorted(ranks[0][name][4]) == sorted(diagnostics), name
+    # every Muon matrix is split: the owner exchange moved them (each rank its shards, and each owner its results)
+    assert [r["fsdp2"][5] > 0 and r["hsdp"][5] > 0 and r["fsdp2-every-rank"][5] == 0 for r in ranks] == [True] * 2
     assert ranks[0]["tp"][3] == [(Shard(0),), (Shard(1),)]
     assert len(ranks[0]["2d"][3][0]) == 2  # on both mesh dims
+    assert all(r[name][4] > 0 for r in ranks for name in ("tp", "2d"))  # owners' exchange
+    # weights stored in x out: gathered whole on every rank, as one process
+    alone_in_out, _ = _in_out()
+    for r in ranks:
+        assert all(torch.equal(a, b) for a, b in zip(r["in_out"][0], alone_in_out, strict=True))
+        assert r["in_out"][1] == 0
 
 
 def _four_ranks_main(argv: list[str]) -> None:
@@ -183,19 +216,19 @@ def _four_ranks_main(argv: list[str]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=4)
     results = {}
     model, mesh = Net(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    for module in (model.qkv, model.up, model.conv, model.lstm, model.head):
+    for module in (model.qkv, model.qkv2, model.up, model.conv, model.lstm, model.head):
         fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     muon = _muon(model, MUON)
     _step_given({n: model.get_parameter(n) for n in MUON}, muon)
-    results["hsdp"] = (_whole(model), muon.strategy.kind)
+    results["hsdp"] = (_whole(model), muon.strategy.kind, muon.last_exchange_bytes)
     model, mesh = Net(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"qkv": ColwiseParallel(), "up": RowwiseParallel()})
     for module in (model.qkv, model.up):
         fully_shard(module, mesh=mesh["dp"])
     muon = _muon(model, TP)
     _step_given({n: model.get_parameter(n) for n in TP}, muon)
-    results["2d"] = (_whole(model), muon.strategy.kind)
+    results["2d"] = (_whole(model), muon.strategy.kind, muon.last_exchange_bytes)
     torch.save(results, Path(argv[0]) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -212,6 +245,6 @@ def test_blocks_on_four_ranks_in_2d_and_hsdp_step_exactly_as_one_process(tmp_pat
         alone = Net()
         _step_given({n: alone.get_parameter(n) for n in names}, _muon(alone, names))
         for r, got in enumerate(ranks):
-            assert got[name][1] == "sharded", name
+            assert got[name][1] == "sharded" and got[name][2] > 0, name  # on owners
             for key, p in _whole(alone).items():
                 assert torch.equal(got[name][0][key], p), f"{name}, rank {r}: {key}"
