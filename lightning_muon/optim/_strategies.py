@@ -456,18 +456,18 @@ def _owner_update(bucket: Bucket, update: Tensor) -> Tensor:
 def _share_rule_state(buckets: Sequence[Bucket], owners: Sequence[int], world: World) -> None:
     """Every rank takes the rules' state its owner advanced (plain tensors, whole on every rank): one all-reduce to
     which the other ranks add zeros (exact)."""
-    states = [t for bucket in buckets for tensors in bucket.states.values() for t in tensors]
-    if not states:
-        return
-    rank = world.rank
-    mine = [t for j, bucket in enumerate(buckets) for tensors in bucket.states.values() for t in tensors
-            if owners[j] == rank]
-    flat = torch.cat([(t if any(t is m for m in mine) else torch.zeros_like(t)).flatten().float() for t in states])
-    dist.all_reduce(flat, group=world.group)
-    start = 0
-    for t in states:
-        t.copy_(flat[start : start + t.numel()].view(t.shape))
-        start += t.numel()
+    by_dtype: dict[torch.dtype, list[tuple[Tensor, bool]]] = {}
+    for j, bucket in enumerate(buckets):
+        for tensors in bucket.states.values():
+            for t in tensors:
+                by_dtype.setdefault(t.dtype, []).append((t, owners[j] == world.rank))
+    for states in by_dtype.values():  # one all-reduce a dtype (NorMuon's: float32)
+        flat = torch.cat([(t if owned else torch.zeros_like(t)).flatten() for t, owned in states])
+        dist.all_reduce(flat, group=world.group)
+        start = 0
+        for t, _ in states:
+            t.copy_(flat[start : start + t.numel()].view(t.shape))
+            start += t.numel()
 
 
 def _apply_blocks(bucket: Bucket, part: Bucket, update: Tensor, rows: slice) -> None:

@@ -1,9 +1,9 @@
 """Blocks on sharded (DTensor) parameters: a fused projection split into equal and unequal blocks
 (``matrix_blocks``), a grouped convolution split into its groups and an LSTM into its gates (route_parameters'
-defaults), with NorMuon and weight decay, step under FSDP2 (the owner exchange, and ``split_ns=False``), HSDP and
-tensor parallelism (colwise rows, rowwise columns) and FSDP2 over it (a 1 x 2 mesh) on 2 gloo ranks bit for bit as
-on one process: rows sharded unevenly, blocks that straddle the shard boundary, momentum sharded as the parameter,
-NorMuon's moments per block."""
+defaults), with NorMuon and cautious weight decay, step under FSDP2 (the owner path, its gather path when a step
+diagnoses, and ``split_ns=False``), HSDP, tensor parallelism (colwise rows, rowwise columns) and FSDP2 over it on
+2 and 4 gloo ranks bit for bit as on one process: rows sharded unevenly, blocks that straddle the shard boundary,
+momentum sharded as the parameter, NorMuon's moments per block; weights stored ``in x out`` gathered whole."""
 
 from __future__ import annotations
 
@@ -51,12 +51,13 @@ class Net(nn.Module):
 
 def _muon(model: nn.Module, names: list[str], split_ns: bool = True) -> Muon:
     """Muon on the named matrices, with route_parameters' blocks (the gates and groups by default, ``BLOCKS`` by
-    hand), NorMuon and weight decay."""
+    hand), NorMuon and cautious weight decay."""
     others = [n for n, _ in model.named_parameters() if n not in names]
     routing = route_parameters(model, muon_params=names, adamw_params=others,
                                matrix_blocks={k: v for k, v in BLOCKS.items() if k in names})
     groups = routing.groups("Muon")
-    return Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, normuon_beta2=0.9, split_ns=split_ns)
+    return Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, normuon_beta2=0.9, split_ns=split_ns,
+                cautious_weight_decay=True)
 
 
 def _fit(model: nn.Module, muon: Muon) -> tuple[list[tuple], int]:
