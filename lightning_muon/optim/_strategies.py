@@ -461,7 +461,7 @@ def _share_rule_state(buckets: Sequence[Bucket], owners: Sequence[int], world: W
         for tensors in bucket.states.values():
             for t in tensors:
                 by_dtype.setdefault(t.dtype, []).append((t, owners[j] == world.rank))
-    for states in by_dtype.values():  # one all-reduce a dtype (NorMuon's: float32)
+    for states in by_dtype.values():  # one all-reduce a dtype
         flat = torch.cat([(t if owned else torch.zeros_like(t)).flatten() for t, owned in states])
         dist.all_reduce(flat, group=world.group)
         start = 0
