@@ -278,8 +278,9 @@ class ShardedStep(DistributedStep):
         # DTensor parameters split into blocks: each on an owner rank, which splits it (`step_owned_blocks`); or
         # (plain buckets of whole copies) on every rank, as on one process.
         owned = [bucket for bucket in buckets if bucket.blocks]
-        if owned:
-            self.exchanged_bytes, self.ns_flops = step_owned_blocks(owned, self.world)
+        for chunk in _chunks(owned, self.round_bytes * self.world.size):  # rounds: about round_bytes a rank
+            sent, flops = step_owned_blocks(chunk, self.world)
+            self.exchanged_bytes, self.ns_flops = self.exchanged_bytes + sent, self.ns_flops + flops
         gathered = [bucket for bucket in buckets if bucket.gathered]
         self.ns_flops += sum(bucket.flops for bucket in gathered)
         diagnostics = step_here(gathered, diagnose) if gathered else []
@@ -406,6 +407,21 @@ def step_owned_blocks(buckets: Sequence[Bucket], world: World) -> tuple[int, int
     sent = sum(u[0].numel() * layout.dtype.itemsize for u, layout in zip(updates, sending, strict=True))
     sent += sum(r.numel() * r.element_size() for r in results.values())
     return sent, loads[world.rank]
+
+
+def _chunks(buckets: Sequence[Bucket], limit: int) -> list[list[Bucket]]:
+    """``buckets`` in order, cut into runs of at most ``limit`` bytes of whole updates (`Bucket.exchange_layout`;
+    a larger bucket alone)."""
+    chunks: list[list[Bucket]] = []
+    used = limit
+    for bucket in buckets:
+        nbytes = bucket.exchange_layout.nbytes
+        if used + nbytes > limit:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(bucket)
+        used += nbytes
+    return chunks
 
 
 def _ruled_dtype(bucket: Bucket) -> torch.dtype:

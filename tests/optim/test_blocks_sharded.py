@@ -49,7 +49,7 @@ class Net(nn.Module):
         return self.head(self.lstm(h)[0])
 
 
-def _muon(model: nn.Module, names: list[str], split_ns: bool = True) -> Muon:
+def _muon(model: nn.Module, names: list[str], split_ns: bool = True, **settings) -> Muon:
     """Muon on the named matrices, with route_parameters' blocks (the gates and groups by default, ``BLOCKS`` by
     hand), NorMuon and cautious weight decay."""
     others = [n for n, _ in model.named_parameters() if n not in names]
@@ -57,7 +57,7 @@ def _muon(model: nn.Module, names: list[str], split_ns: bool = True) -> Muon:
                                matrix_blocks={k: v for k, v in BLOCKS.items() if k in names})
     groups = routing.groups("Muon")
     return Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, normuon_beta2=0.9, split_ns=split_ns,
-                cautious_weight_decay=True)
+                cautious_weight_decay=True, **settings)
 
 
 def _fit(model: nn.Module, muon: Muon) -> tuple[list[tuple], int]:
@@ -116,7 +116,8 @@ def _ranks_main(argv: list[str]) -> None:
         for module in (model.qkv, model.qkv2, model.up, model.conv, model.lstm, model.head):
             fully_shard(module, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        muon = _muon(model, MUON, split_ns=split)
+        # HSDP in exchange rounds of at most 256 bytes a rank: about one split tensor a round
+        muon = _muon(model, MUON, split_ns=split, **({"exchange_round_bytes": 256} if name == "hsdp" else {}))
         diagnostics, sent = _fit(model, muon)
         qkv = model.get_parameter("qkv.weight")
         results[name] = (_whole(model), muon.strategy.kind, muon.state[qkv]["momentum_buffer"].to_local().shape,
