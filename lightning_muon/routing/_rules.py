@@ -428,7 +428,7 @@ def route_parameters(
         group_settings: group name -> that group's own settings (keys ``lr``, ``weight_decay``, ``betas``,
             ``eps``, ``momentum``), put into its param group (`Routing.groups`), where torch's optimizers take them
             over their defaults: ``{"embeddings": {"lr": 0.01, "weight_decay": 0.0}, "head": {"lr": 0.002}}``.
-        split_heads: orthogonalise each attention head of the q, k and v projections on its own (Kimi K2/K3's
+        split_heads: orthogonalise each attention head of the q, k and v projections on its own (Kimi K3's
             and torchtitan's per-head Muon): q by its heads, k and v by their key-value heads (grouped-query
             attention), a fused qkv first by projection (it implies ``split_fused`` there). The heads are read from
             the model (transformers' and litgpt's configs, ``nn.MultiheadAttention``, a ``qk_layout()`` method),
