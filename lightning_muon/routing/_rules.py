@@ -593,8 +593,9 @@ def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[s
             _check_blocks(r, params[r.name], sizes, origin, muon_nd)
         if groups is not None:
             reason = _groups_reason(r.reason, shape, groups, sizes, pattern)
-        elif heads is not None and pattern is None:
-            reason = f"{r.reason}; {heads.words}"
+        elif heads is not None and (pattern is None or (fused is None and sizes is None)):
+            kept = f"orthogonalised whole (matrix_blocks {pattern!r})"
+            reason = f"{r.reason}; {heads.words if pattern is None else kept}"
         elif gates is not None and pattern is None:
             reason = _gates_reason(r.reason, gates, sizes)
         else:
