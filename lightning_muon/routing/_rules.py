@@ -551,14 +551,17 @@ class _Found:
 
 def _heads_of(module: nn.Module, params: dict[str, Tensor], aliases: dict[str, list[str]],
               patterns: dict[str, Sequence[int] | None]) -> dict[str, HeadBlocks]:
-    """`head_blocks` of ``module``'s trainable ``params``, reading no heads in a module whose matrices
-    ``matrix_blocks`` patterns all decide (the user's blocks stand there, heads readable or not)."""
+    """`head_blocks` of ``module``'s trainable ``params``, reading no heads in a module whose trainable matrices
+    ``matrix_blocks`` patterns all decide (the user's blocks stand there, heads readable or not), or that has
+    matrices but none trainable (nothing to split)."""
     decided = {alias for name, p in params.items() if p.dim() >= 2 and _matched(list(patterns), aliases[name])
                for alias in aliases[name]}
-    given = []
-    for mod_name, mod in module.named_modules() if decided else ():
-        matrices = {f"{mod_name}.{n}" for n, p in mod.named_parameters() if p.requires_grad and p.dim() >= 2}
-        if mod_name and matrices and matrices <= decided:
+    given: list[str] = []
+    for mod_name, mod in module.named_modules():
+        if not mod_name or any(mod_name.startswith(f"{g}.") for g in given):
+            continue
+        matrices = [(f"{mod_name}.{n}", p.requires_grad) for n, p in mod.named_parameters() if p.dim() >= 2]
+        if matrices and {n for n, trained in matrices if trained} <= decided:
             given.append(mod_name)
     return head_blocks(module, params, given)
 

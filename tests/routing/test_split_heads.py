@@ -177,6 +177,8 @@ def test_an_attention_whose_heads_cannot_be_read_is_refused_by_name():
     blocks = {"1.w[qkv].weight": [4, 4, 4, 4], "1.wo.weight": None}  # every matrix of it decided: not read
     routes = {r.name: r for r in route_parameters(net, split_heads=True, matrix_blocks=blocks).routes}
     assert [routes[f"1.w{x}.weight"].blocks for x in "qkvo"] == [(4, 4, 4, 4)] * 3 + [None]
+    net[1].requires_grad_(False)  # frozen: nothing of it to split, so its heads are not read
+    assert all(r.blocks is None for r in route_parameters(net, split_heads=True).routes)
 
 
 def test_a_muon_class_that_cannot_split_refuses_it():
