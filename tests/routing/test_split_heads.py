@@ -195,3 +195,47 @@ def test_muon_with_adamw_takes_it_with_a_model():
     assert held == {n: list(b) for n, b in HEADS["llama"].items()}
     with pytest.raises(ValueError, match=r"split_fused / split_heads / matrix_blocks are routing settings"):
         MuonWithAdamW(route_parameters(net), split_heads=True)
+
+
+def _heads_stepped() -> tuple[list[torch.Tensor], str]:
+    """The shipped GPT routed with ``split_heads``, two Muon steps on seeded gradients (the same on every rank, as
+    after DDP's all-reduce): its Muon matrices, and the path the Newton-Schulz work took."""
+    routing = route_parameters(build(MODELS["char_gpt"]), split_heads=True)
+    opt = Muon(routing.muon_groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return [p.detach() for p in params], opt.strategy.description
+
+
+def _ddp_worker(rank: int, init_file: str, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    params, path = _heads_stepped()
+    torch.save({"params": params, "path": path}, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_heads_under_ddp_split_equal_one_process(tmp_path):
+    """Under DDP the heads' Newton-Schulz work is split over the ranks (each head a matrix of its own there), and
+    the result is one process's."""
+    import torch.multiprocessing as mp
+
+    from helpers import RANKS_START_METHOD
+
+    mp.start_processes(_ddp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True,
+                       start_method=RANKS_START_METHOD)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    params, _ = _heads_stepped()
+    for r in ranks:
+        assert r["path"].startswith("Newton-Schulz split over 2 DDP ranks (")
+        torch.testing.assert_close(r["params"], params, atol=1e-6, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["params"], ranks[1]["params"], strict=True))
