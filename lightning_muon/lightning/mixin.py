@@ -95,8 +95,8 @@ class MuonMixin(_LightningModuleBase):
             (``interval``, ``frequency``, ``monitor``), applied to each optimizer separately, e.g.
             `lightning_muon.WarmupCosine` (its ``total_steps`` defaults to the number of updates of the fit).
             ``None``: constant lr.
-        muon_lr_scheduler: Muon's own scheduler factory, as ``lr_scheduler``; where given, it replaces
-            ``lr_scheduler`` for Muon. ``adamw_lr_scheduler``: AdamW's, the same way.
+        muon_lr_scheduler: Muon's own scheduler factory, as ``lr_scheduler``, which it replaces for Muon.
+        adamw_lr_scheduler: AdamW's own, the same way.
         muon_params: glob patterns of parameter names forced onto Muon.
         adamw_params: glob patterns of parameter names forced onto AdamW.
         accumulate_grad_batches: micro-batches per update (as ``Trainer(accumulate_grad_batches=...)``: give one).

@@ -4,12 +4,11 @@ algorithm."""
 
 from __future__ import annotations
 
-import pytest
-import torch
-
 import math
 
 import lightning as L
+import pytest
+import torch
 
 from lightning_muon import MuonWithAdamW
 
