@@ -217,8 +217,10 @@ class MuonConfig:
     @property
     def scheduler_factories(self) -> dict[str, Callable[..., Any] | None]:
         """The lr scheduler factory of each optimizer, by algorithm: its own (``muon_lr_scheduler``,
-        ``adamw_lr_scheduler``) where given, else the shared ``lr_scheduler`` (`_schedulers.build_schedulers`)."""
-        return {MUON: self.muon_lr_scheduler_factory or self.lr_scheduler_factory,
+        ``adamw_lr_scheduler``) where given, else the shared ``lr_scheduler`` (`_schedulers.build_schedulers`); none
+        for Muon with ``muon=None``."""
+        muon = self.muon_lr_scheduler_factory or self.lr_scheduler_factory
+        return {MUON: muon if self.muon_enabled else None,
                 ADAMW: self.adamw_lr_scheduler_factory or self.lr_scheduler_factory}
 
     @property

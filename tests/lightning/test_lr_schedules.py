@@ -78,6 +78,12 @@ def test_an_optimizers_own_schedule_replaces_the_shared_one_for_it(tmp_path):
     lrs = logged_lrs(tmp_path / "b")
     assert lrs["lr-Muon/hidden"] == dict.fromkeys(range(8), 0.02)
     assert lrs["lr-AdamW/head"] == {k: adamw_lr(1e-3, k) for k in range(8)}
+    # The AdamW baseline (muon=None) has no Muon to schedule: Muon's own schedule is not used, AdamW's is.
+    trainer, _ = fit(tmp_path / "c", muon=None, muon_lr_scheduler=MUON_SCHEDULE)
+    assert trainer.lr_scheduler_configs == []
+    trainer, _ = fit(tmp_path / "d", muon=None, muon_lr_scheduler=MUON_SCHEDULE, adamw_lr_scheduler=ADAMW_SCHEDULE)
+    assert [type(c.scheduler) for c in trainer.lr_scheduler_configs] == [torch.optim.lr_scheduler.StepLR]
+    assert logged_lrs(tmp_path / "d")["lr-AdamW/head"] == {k: adamw_lr(1e-3, k) for k in range(8)}
 
 
 def test_a_resume_mid_schedule_ends_bit_for_bit_where_the_uninterrupted_fit_ends(tmp_path):
