@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.optim import Optimizer
 
 from lightning_muon.lightning._specs import from_spec, plain_data, target_class, to_spec
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
 from lightning_muon.optim.groups import PARAM_NAMES, group_effective_lrs, is_count
 from lightning_muon.optim.muon import Muon
 from lightning_muon.routing import (
+    ADAMW,
+    MUON,
     Algorithm,
     GraphRoles,
     Routing,
@@ -70,6 +69,9 @@ class MuonConfig:
     muon: Any
     adamw: Any
     lr_scheduler: Any
+    #: Each optimizer's own lr scheduler spec, which replaces ``lr_scheduler`` for it (`_schedulers`).
+    muon_lr_scheduler: Any = None
+    adamw_lr_scheduler: Any = None
     muon_params: tuple[str, ...]
     adamw_params: tuple[str, ...]
     accumulate_grad_batches: int
@@ -88,6 +90,8 @@ class MuonConfig:
     muon_factory: Callable[..., Any] | None = field(compare=False, repr=False)
     adamw_factory: Callable[..., Any] = field(compare=False, repr=False)
     lr_scheduler_factory: Callable[..., Any] | None = field(compare=False, repr=False)
+    muon_lr_scheduler_factory: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    adamw_lr_scheduler_factory: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_arguments(
@@ -96,6 +100,8 @@ class MuonConfig:
         muon: Any,
         adamw: Any,
         lr_scheduler: Any,
+        muon_lr_scheduler: Any = None,
+        adamw_lr_scheduler: Any = None,
         muon_params: Sequence[str],
         adamw_params: Sequence[str],
         accumulate_grad_batches: int,
@@ -128,7 +134,8 @@ class MuonConfig:
         muon_factory, adamw_factory, lr_scheduler_factory = from_spec(muon), from_spec(adamw), from_spec(lr_scheduler)
         if adamw_factory is None:
             raise ValueError("adamw must be an optimizer factory; it holds every parameter that is not on Muon")
-        specs = {"muon": to_spec(muon), "adamw": to_spec(adamw), "lr_scheduler": to_spec(lr_scheduler)}
+        specs = {"muon": to_spec(muon), "adamw": to_spec(adamw), "lr_scheduler": to_spec(lr_scheduler),
+                 "muon_lr_scheduler": to_spec(muon_lr_scheduler), "adamw_lr_scheduler": to_spec(adamw_lr_scheduler)}
         for name, spec in specs.items():
             if isinstance(spec, dict) and "callable" in spec:
                 rank_zero_warn(
@@ -140,6 +147,8 @@ class MuonConfig:
             muon=specs["muon"],
             adamw=specs["adamw"],
             lr_scheduler=specs["lr_scheduler"],
+            muon_lr_scheduler=specs["muon_lr_scheduler"],
+            adamw_lr_scheduler=specs["adamw_lr_scheduler"],
             muon_params=tuple(muon_params),
             adamw_params=tuple(adamw_params),
             accumulate_grad_batches=accumulate_grad_batches,
@@ -154,6 +163,8 @@ class MuonConfig:
             muon_factory=muon_factory,
             adamw_factory=adamw_factory,
             lr_scheduler_factory=lr_scheduler_factory,
+            muon_lr_scheduler_factory=from_spec(muon_lr_scheduler),
+            adamw_lr_scheduler_factory=from_spec(adamw_lr_scheduler),
         )
 
     @property
@@ -215,46 +226,19 @@ class MuonConfig:
                     lrs[name] = float(group["lr"])
         return lrs
 
-    def build_schedulers(self, optimizers: list[Optimizer], fit_length: Callable[[], float]) -> list[dict[str, Any]]:
-        """One scheduler per optimizer, as Lightning's scheduler configs.
+    @property
+    def scheduler_factories(self) -> dict[str, Callable[..., Any] | None]:
+        """The lr scheduler factory of each optimizer, by algorithm: its own (``muon_lr_scheduler``,
+        ``adamw_lr_scheduler``) where given, else the shared ``lr_scheduler`` (`_schedulers.build_schedulers`); none
+        for Muon with ``muon=None``."""
+        muon = self.muon_lr_scheduler_factory or self.lr_scheduler_factory
+        return {MUON: muon if self.muon_enabled else None,
+                ADAMW: self.adamw_lr_scheduler_factory or self.lr_scheduler_factory}
 
-        The factory may return a scheduler (stepped per update) or a Lightning scheduler dict
-        (``{"scheduler": ..., "interval": "epoch", "frequency": 2, "monitor": "val_loss"}``; ``interval``
-        defaults to ``"step"``). A ``ReduceLROnPlateau`` is stepped per epoch on its ``monitor`` (the dict's, or
-        the scheduler's own attribute as ``lightning.pytorch.cli.ReduceLROnPlateau`` has it).
-        A scheduler whose ``total_steps`` is ``None`` after construction (`lightning_muon.WarmupCosine`'s
-        protocol) gets the fit's number of updates, ``fit_length()``.
-        """
-        assert self.lr_scheduler_factory is not None
-        schedulers = []
-        for optimizer in optimizers:
-            built = self.lr_scheduler_factory(optimizer)
-            config = dict(built) if isinstance(built, dict) else {"scheduler": built}
-            scheduler = config["scheduler"]
-            if getattr(scheduler, "total_steps", 0) is None:
-                total = fit_length()
-                if not math.isfinite(total):
-                    raise MisconfigurationException(
-                        f"{type(scheduler).__name__} needs the length of the fit, which is unbounded here: set "
-                        "Trainer(max_steps=...) or max_epochs, or give the scheduler total_steps=..."
-                    )
-                scheduler.total_steps = int(total)
-            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                config.setdefault("monitor", getattr(scheduler, "monitor", None))
-                config.setdefault("interval", "epoch")
-                if config["monitor"] is None:
-                    raise MisconfigurationException(
-                        "lr_scheduler builds a ReduceLROnPlateau but names no metric to monitor: use "
-                        "lightning.pytorch.cli.ReduceLROnPlateau(optimizer, monitor='val_loss', ...) or return "
-                        "{'scheduler': ReduceLROnPlateau(optimizer), 'monitor': 'val_loss'} from the factory."
-                    )
-            config.setdefault("interval", "step")
-            if config["interval"] not in ("step", "epoch"):
-                raise MisconfigurationException(
-                    f"lr_scheduler's interval must be 'step' or 'epoch', got {config['interval']!r}"
-                )
-            schedulers.append(config)
-        return schedulers
+    @property
+    def scheduled(self) -> bool:
+        """Whether any optimizer has an lr scheduler."""
+        return any(f is not None for f in self.scheduler_factories.values())
 
     def with_adamw_lr(self, lr: float) -> MuonConfig:
         """This config with AdamW's lr replaced (``lr_find``'s suggestion for the ``muon=None`` baseline)."""

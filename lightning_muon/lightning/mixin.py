@@ -38,9 +38,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.lightning import _checkpoint, _checks, _compat
 from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig
-from lightning_muon.lightning._fit import FitEnd, FitState, build_optimizers, check_resume, checkpoint_record
+from lightning_muon.lightning._fit import FitEnd, FitState, build_optimizers, check_resume, checkpoint_record, end_fit
 from lightning_muon.lightning._hparams import save_hyperparameters, settings_from_checkpoint
 from lightning_muon.lightning._pair import OptimizerPair
+from lightning_muon.lightning._schedulers import check_layout
 from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings, bind_step
 from lightning_muon.optim.groups import update_rule
 from lightning_muon.routing import Algorithm, GraphRoles, Routing
@@ -94,6 +95,8 @@ class MuonMixin(_LightningModuleBase):
             (``interval``, ``frequency``, ``monitor``), applied to each optimizer separately, e.g.
             `lightning_muon.WarmupCosine` (its ``total_steps`` defaults to the number of updates of the fit).
             ``None``: constant lr.
+        muon_lr_scheduler: Muon's own scheduler factory, as ``lr_scheduler``, which it replaces for Muon.
+        adamw_lr_scheduler: AdamW's own, the same way.
         muon_params: glob patterns of parameter names forced onto Muon.
         adamw_params: glob patterns of parameter names forced onto AdamW.
         accumulate_grad_batches: micro-batches per update (as ``Trainer(accumulate_grad_batches=...)``: give one).
@@ -131,6 +134,8 @@ class MuonMixin(_LightningModuleBase):
         muon: OptimizerCallable | None = DEFAULT_MUON,  # type: ignore[assignment]
         adamw: OptimizerCallable = DEFAULT_ADAMW,  # type: ignore[assignment]
         lr_scheduler: LRSchedulerCallable | None = None,
+        muon_lr_scheduler: LRSchedulerCallable | None = None,
+        adamw_lr_scheduler: LRSchedulerCallable | None = None,
         muon_params: Sequence[str] = (),
         adamw_params: Sequence[str] = (),
         accumulate_grad_batches: int = 1,
@@ -144,7 +149,8 @@ class MuonMixin(_LightningModuleBase):
         **kwargs: Any,
     ) -> None:
         config = MuonConfig.from_arguments(
-            muon=muon, adamw=adamw, lr_scheduler=lr_scheduler, muon_params=muon_params, adamw_params=adamw_params,
+            muon=muon, adamw=adamw, lr_scheduler=lr_scheduler, muon_lr_scheduler=muon_lr_scheduler,
+            adamw_lr_scheduler=adamw_lr_scheduler, muon_params=muon_params, adamw_params=adamw_params,
             accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
             max_consecutive_skips=max_consecutive_skips, parent_lr=parent_lr, split_fused=split_fused,
             matrix_blocks=matrix_blocks, group_settings=group_settings, split_heads=split_heads,
@@ -152,6 +158,7 @@ class MuonMixin(_LightningModuleBase):
         # Rebind the arguments to plain data before the parent's __init__ runs: a parent calling
         # save_hyperparameters() collects these frames' locals, and checkpoints must load with weights_only.
         muon, adamw, lr_scheduler = config.muon, config.adamw, config.lr_scheduler
+        muon_lr_scheduler, adamw_lr_scheduler = config.muon_lr_scheduler, config.adamw_lr_scheduler
         muon_params, adamw_params = list(config.muon_params), list(config.adamw_params)
         super().__init__(*args, **kwargs)
         if not self.automatic_optimization:
@@ -222,7 +229,7 @@ class MuonMixin(_LightningModuleBase):
         self._muon_loop.optimizers_built(self, optimizers, pair.scheduled_groups)
         if self._muon_fit is not None:
             self._muon_fit.configure_optimizers(pair, schedulers)
-        return (optimizers, schedulers) if config.lr_scheduler_factory is not None else optimizers
+        return (optimizers, schedulers) if config.scheduled else optimizers
 
     def configure_callbacks(self) -> Any:
         callbacks = super().configure_callbacks()
@@ -264,16 +271,8 @@ class MuonMixin(_LightningModuleBase):
         self._muon_loop.on_train_epoch_end(self)
 
     def _end_fit(self) -> None:
-        """The end of a fit, by any exit (from the fit's callback, `FitEnd`: Lightning calls the module's
-        ``teardown`` only when a fit ends normally): the Trainer, its strategy and the module get back what the
-        fit borrowed, lr_find's suggestion is kept, the update loop's hooks come off; once, whichever exit."""
-        fit, self._muon_fit = self._muon_fit, None
-        if fit is None:
-            return
-        try:
-            self._muon_config = fit.teardown(self, self._muon_config)
-        finally:
-            self._muon_loop.end_fit()
+        """The end of a fit, by any exit (`end_fit`): what the fit borrowed, back; once, whichever exit."""
+        end_fit(self)
 
     def _muon_step(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return _run_step(self, step, args, kwargs)
@@ -368,4 +367,5 @@ def _load_checkpoint(module: MuonMixin, checkpoint: dict[str, Any]) -> None:
     if resuming:  # optimizer states follow: they must meet the parameters they were saved for, with their settings
         _checkpoint.check_group_settings(saved, module._muon_config.group_settings)
         check_resume(module, checkpoint, saved, module.muon_routing(), module._muon_fit)
+        check_layout(checkpoint, saved, module._muon_config.to_hparams())  # the schedulers' states, by position
     module._muon_loop.load_state_dict(saved)
