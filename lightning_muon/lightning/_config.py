@@ -47,6 +47,16 @@ DEFAULT_ADAMW: dict = {
 }
 
 
+def _check_switches(parent_lr: object, split_fused: object, split_heads: object) -> None:
+    """Refuse a switch of the mixin's that is not a bool (a YAML ``"yes"``, say)."""
+    if not isinstance(parent_lr, bool):
+        raise ValueError(f"parent_lr must be True or False, got {parent_lr!r}")
+    if not isinstance(split_fused, bool):
+        raise ValueError(f"split_fused must be True or False, got {split_fused!r}")
+    if not isinstance(split_heads, bool):
+        raise ValueError(f"split_heads must be True or False, got {split_heads!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class MuonConfig:
     """`MuonMixin`'s keyword-only arguments, validated, with the factories resolved.
@@ -70,6 +80,8 @@ class MuonConfig:
     parent_lr: bool = False
     #: Orthogonalise the blocks of every fused projection the routing finds on their own (`route_parameters`).
     split_fused: bool = False
+    #: Orthogonalise each attention head of q, k and v on its own (`route_parameters`' ``split_heads``).
+    split_heads: bool = False
     #: Glob pattern -> the row-block sizes of those Muon parameters, or ``None`` to keep a found one whole.
     matrix_blocks: dict[str, list[int] | None] = field(default_factory=dict, hash=False)
     #: Group name -> that group's own settings (``{"embeddings": {"lr": 0.01}}``), over its optimizer's defaults.
@@ -99,6 +111,7 @@ class MuonConfig:
         split_fused: bool = False,
         matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
         group_settings: Mapping[str, Mapping[str, Any]] | None = None,
+        split_heads: bool = False,
     ) -> MuonConfig:
         """Validate the mixin's arguments (a `ValueError` naming the bad value and the fix) and resolve them."""
         if not is_count(accumulate_grad_batches):
@@ -111,10 +124,7 @@ class MuonConfig:
             raise ValueError(
                 f"max_consecutive_skips must be >= 1, got {max_consecutive_skips!r} (a whole number of updates)"
             )
-        if not isinstance(parent_lr, bool):
-            raise ValueError(f"parent_lr must be True or False, got {parent_lr!r}")
-        if not isinstance(split_fused, bool):
-            raise ValueError(f"split_fused must be True or False, got {split_fused!r}")
+        _check_switches(parent_lr, split_fused, split_heads)
         if matrix_blocks is not None and not isinstance(matrix_blocks, Mapping):
             raise ValueError(
                 f"matrix_blocks must map glob patterns to row-block sizes (or None), e.g. "
@@ -146,6 +156,7 @@ class MuonConfig:
             max_consecutive_skips=max_consecutive_skips,
             parent_lr=parent_lr,
             split_fused=split_fused,
+            split_heads=split_heads,
             matrix_blocks={str(k): None if v is None else [int(x) for x in v]
                            for k, v in (matrix_blocks or {}).items()},
             group_settings=settings,
@@ -195,6 +206,7 @@ class MuonConfig:
             muon_nd=muon_class is not None and issubclass(muon_class, Muon),
             graph=roles,
             split_fused=self.split_fused,
+            split_heads=self.split_heads,
             matrix_blocks=self.matrix_blocks or None,
             group_settings=self.group_settings,
         )

@@ -112,6 +112,8 @@ class MuonMixin(_LightningModuleBase):
             gates are split whatever it says (measured better).
         matrix_blocks: glob pattern -> row-block sizes of those Muon matrices (``{"*.qkv.weight": [64, 64, 64]}``),
             or ``None`` to keep a found one whole; the first matching pattern decides, over ``split_fused``.
+        split_heads: orthogonalise each attention head of q, k and v on its own (`route_parameters`); off by
+            default, not yet measured.
         group_settings: a routing group's own settings over its optimizer's (keys ``lr``, ``weight_decay``,
             ``betas``, ``eps``, ``momentum``): ``{"embeddings": {"lr": 0.01}, "head": {"weight_decay": 0.0}}``.
         max_consecutive_skips: updates with non-finite gradients are skipped for both optimizers; after this many in
@@ -143,6 +145,7 @@ class MuonMixin(_LightningModuleBase):
         split_fused: bool = False,
         matrix_blocks: dict[str, list[int] | None] | None = None,
         group_settings: dict[str, dict[str, Any]] | None = None,
+        split_heads: bool = False,
         **kwargs: Any,
     ) -> None:
         config = MuonConfig.from_arguments(
@@ -150,7 +153,7 @@ class MuonMixin(_LightningModuleBase):
             adamw_lr_scheduler=adamw_lr_scheduler, muon_params=muon_params, adamw_params=adamw_params,
             accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
             max_consecutive_skips=max_consecutive_skips, parent_lr=parent_lr, split_fused=split_fused,
-            matrix_blocks=matrix_blocks, group_settings=group_settings,
+            matrix_blocks=matrix_blocks, group_settings=group_settings, split_heads=split_heads,
         )
         # Rebind the arguments to plain data before the parent's __init__ runs: a parent calling
         # save_hyperparameters() collects these frames' locals, and checkpoints must load with weights_only.
@@ -234,7 +237,8 @@ class MuonMixin(_LightningModuleBase):
             self._end_fit()  # a fit whose end Lightning never reported (none known): what it borrowed, back
             self._muon_loop.start_fit()
             fit_end = FitEnd(self._end_fit)  # Lightning skips the module's teardown when a fit raises
-            self._muon_fit = FitState.start(self, self._muon_config, self._load_record, fit_end)
+            load_record = functools.partial(_load_record, self)
+            self._muon_fit = FitState.start(self, self._muon_config, load_record, fit_end)
             own = [] if not callbacks else list(callbacks) if isinstance(callbacks, Sequence) else [callbacks]
             callbacks = [*own, fit_end]
         return callbacks
@@ -309,12 +313,13 @@ class MuonMixin(_LightningModuleBase):
         super().on_load_checkpoint(checkpoint)
         _load_checkpoint(self, checkpoint)
 
-    def _load_record(self, saved: dict[str, Any]) -> None:
-        """A distributed checkpoint's record, before its optimizer states load: take its roles, and the fit's
-        optimizers, built already, hold its groups."""
-        self._muon_roles = _checkpoint.saved_roles(saved, resuming=True)
-        if self._muon_fit is not None:
-            self._muon_fit.restore(self.trainer, saved, self.muon_routing())
+
+def _load_record(module: MuonMixin, saved: dict[str, Any]) -> None:
+    """A distributed checkpoint's record, before its optimizer states load: take its roles, and the fit's
+    optimizers, built already, hold its groups."""
+    module._muon_roles = _checkpoint.saved_roles(saved, resuming=True)
+    if module._muon_fit is not None:
+        module._muon_fit.restore(module.trainer, saved, module.muon_routing())
 
 
 def _optimizer_config(module: MuonMixin) -> MuonConfig:
