@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from lightning_muon import MuonMixin
+from lightning_muon.attention import QKLayout, QKProjection, record_qk
 from lightning_muon.examples.text_data import StdlibTextDataModule
 
 __all__ = [
@@ -35,7 +36,8 @@ VOCAB_SIZE = 256  # bytes
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: one fused ``qkv`` projection, then an output projection ``proj``."""
+    """Multi-head causal self-attention: one fused ``qkv`` projection (q, then k, then v, ``n_head`` heads each),
+    then an output projection ``proj``. Its `qk_layout` tells QK-Clip and ``split_heads`` where the heads are."""
 
     def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool) -> None:
         super().__init__()
@@ -49,9 +51,17 @@ class CausalSelfAttention(nn.Module):
         batch, time, channels = x.shape
         q, k, v = self.qkv(x).split(channels, dim=2)
         q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
+        record_qk(self, q, k, scale=(channels // self.n_head) ** -0.5, causal=True)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(batch, time, channels)
         return self.resid_dropout(self.proj(y))
+
+    def qk_layout(self) -> QKLayout:
+        """Where the query, key and value heads are in ``qkv``'s rows (`lightning_muon.attention.QKLayout`)."""
+        width = self.proj.in_features
+        weight, bias = self.qkv.weight, self.qkv.bias
+        q, k, v = (QKProjection(weight, bias, offset) for offset in (0, width, 2 * width))
+        return QKLayout(q, k, num_heads=self.n_head, num_kv_heads=self.n_head, head_dim=width // self.n_head, value=v)
 
 
 class MLP(nn.Module):

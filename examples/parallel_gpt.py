@@ -82,8 +82,9 @@ class Block(nn.Module):
     def qk_layout(self) -> QKLayout:
         """Where the query and key heads are, for `lightning_muon.QKClip` (all ``n_head`` of them: under tensor
         parallelism each rank holds and computes a block of them)."""
-        query, key = QKProjection(self.wq.weight), QKProjection(self.wk.weight)
-        return QKLayout(query, key, num_heads=self.n_head, num_kv_heads=self.n_head, head_dim=self.head_dim)
+        query, key, value = QKProjection(self.wq.weight), QKProjection(self.wk.weight), QKProjection(self.wv.weight)
+        return QKLayout(query, key, num_heads=self.n_head, num_kv_heads=self.n_head, head_dim=self.head_dim,
+                        value=value)
 
 
 class ParallelGPT(ByteLM):

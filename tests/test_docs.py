@@ -457,7 +457,7 @@ def test_the_mixin_s_example_on_its_api_page_trains(monkeypatch, tmp_path, capsy
 #: tests/optim/test_user_rules.py, tests/routing/test_routing_guide.py, tests/test_migration.py,
 #: tests/test_getting_started.py: the getting-started
 #: page and the README's ten lines), and the API pages' import lines here.
-RUN_BY_TESTS = {"guides/plain-pytorch.md": 2, "guides/one-optimizer.md": 3, "guides/qk-clip.md": 2,
+RUN_BY_TESTS = {"guides/plain-pytorch.md": 2, "guides/one-optimizer.md": 4, "guides/qk-clip.md": 2,
                 "guides/routing.md": 1, "guides/migration.md": 7, "guides/optimizer.md": 2, "index.md": 3,
                 "api/optimizers.md": 1, "api/lightning.md": 2, "api/maths.md": 1, "api/routing.md": 1,
                 "api/attention.md": 1, "api/groups.md": 1}

@@ -268,7 +268,7 @@ def test_a_default_is_spelled_as_the_pages_write_it():
 def test_the_options_said_off_by_default_are_off():
     """The optimizer guide: NorMuon and cautious weight decay "are off by default"; the routing guide: a fused
     projection "stays one matrix" by default; the shipped configs set no ``ns_dtype`` (the hardware decides)."""
-    from lightning_muon import Muon, MuonMixin, MuonWithAdamW
+    from lightning_muon import Muon, MuonMixin, MuonWithAdamW, route_parameters
 
     assert "Both are off by default" in (ROOT / "docs/guides/optimizer.md").read_text()
     for function in (Muon.__init__, MuonWithAdamW.__init__):
@@ -277,6 +277,10 @@ def test_the_options_said_off_by_default_are_off():
     assert "By default it stays one matrix" in spaced((ROOT / "docs/guides/routing.md").read_text())
     assert keyword_defaults(MuonMixin.__init__)["split_fused"] is False
     assert keyword_defaults(MuonWithAdamW.__init__)["split_fused"] is False
+    routing_page = spaced((ROOT / "docs/guides/routing.md").read_text())
+    assert "`split_heads=True` (off by default, not yet measured)" in routing_page
+    for function in (MuonMixin.__init__, MuonWithAdamW.__init__, route_parameters):
+        assert keyword_defaults(function)["split_heads"] is False
     configs = {path.name: yaml.safe_load(path.read_text()) for path in (ROOT / "configs").glob("*.yaml")}
     assert [name for name, config in configs.items() if "'ns_dtype'" in repr(config)] == []
 

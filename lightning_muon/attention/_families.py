@@ -199,6 +199,8 @@ def _transformers_layout(name: str, module: nn.Module) -> QKLayout | None:
             f"output features, not {heads} and {kv_heads} heads of {head_dim} (a gated or otherwise fused query?)"
         )
     qk_norm = any(getattr(module, n, None) is not None for n in ("q_norm", "k_norm", "q_layernorm", "k_layernorm"))
+    v_proj = getattr(module, "v_proj", None)
+    has_value = isinstance(v_proj, nn.Linear) and v_proj.out_features == kv_heads * head_dim
     return QKLayout(
         query=QKProjection(q_proj.weight, q_proj.bias),
         key=QKProjection(k_proj.weight, k_proj.bias),
@@ -206,6 +208,7 @@ def _transformers_layout(name: str, module: nn.Module) -> QKLayout | None:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         qk_norm=qk_norm,
+        value=QKProjection(v_proj.weight, v_proj.bias) if has_value else None,  # type: ignore[union-attr]
     )
 
 
@@ -227,10 +230,12 @@ def _gpt2_layout(name: str, module: nn.Module) -> QKLayout | None:
         q_attn: Any = getattr(module, "q_attn")  # noqa: B009
         query = QKProjection(q_attn.weight, q_attn.bias, 0, transposed=True)
         key = QKProjection(c_attn.weight, c_attn.bias, 0, transposed=True)
+        value = QKProjection(c_attn.weight, c_attn.bias, embed, transposed=True)
     else:
         query = QKProjection(c_attn.weight, c_attn.bias, 0, transposed=True)
         key = QKProjection(c_attn.weight, c_attn.bias, embed, transposed=True)
-    return QKLayout(query=query, key=key, num_heads=heads, num_kv_heads=heads, head_dim=head_dim)
+        value = QKProjection(c_attn.weight, c_attn.bias, 2 * embed, transposed=True)
+    return QKLayout(query=query, key=key, num_heads=heads, num_kv_heads=heads, head_dim=head_dim, value=value)
 
 
 # ------------------------------------------------------------------ litgpt
@@ -279,6 +284,7 @@ def _litgpt_layout(name: str, module: nn.Module) -> QKLayout | None:
         num_kv_heads=groups,
         head_dim=head_dim,
         qk_norm=bool(config.norm_qk),
+        value=QKProjection(qkv.weight, qkv.bias, (heads + groups) * head_dim),
     )
 
 
@@ -343,10 +349,12 @@ def _mha_layout(name: str, module: nn.Module) -> QKLayout | None:
     if module._qkv_same_embed_dim:
         weight = module.in_proj_weight
         query, key = QKProjection(weight, bias, 0), QKProjection(weight, bias, embed)
+        value = QKProjection(weight, bias, 2 * embed)
     else:
         query = QKProjection(module.q_proj_weight, bias, 0, bias_offset=0)
         key = QKProjection(module.k_proj_weight, bias, 0, bias_offset=embed)
-    return QKLayout(query=query, key=key, num_heads=heads, num_kv_heads=heads, head_dim=module.head_dim)
+        value = QKProjection(module.v_proj_weight, bias, 0, bias_offset=2 * embed)
+    return QKLayout(query=query, key=key, num_heads=heads, num_kv_heads=heads, head_dim=module.head_dim, value=value)
 
 
 # ------------------------------------------------------------------ finding them

@@ -64,6 +64,8 @@ class QKLayout:
         head_dim: features per head.
         qk_norm: q and k are normalised after the projection (QK-norm): the logits can be measured, but scaling
             the projection cannot lower them, so `qk_clip_` refuses to clip such a layout.
+        value: where the value heads are (``num_kv_heads`` of them), or ``None`` where unknown; QK-Clip does not
+            read it, ``route_parameters(split_heads=True)`` splits v by it.
 
     Examples:
         The adapter, for an attention the package does not know: a ``qk_layout()`` method returning its
@@ -95,6 +97,7 @@ class QKLayout:
     num_kv_heads: int
     head_dim: int
     qk_norm: bool = False
+    value: QKProjection | None = None
 
     def check(self, name: str) -> None:
         """Refuse a layout that does not fit its weights, naming the module ``name``."""
@@ -103,7 +106,7 @@ class QKLayout:
                 f"{name}: num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim} "
                 "must be >= 1 with num_kv_heads dividing num_heads"
             )
-        for what, proj, heads in (("query", self.query, self.num_heads), ("key", self.key, self.num_kv_heads)):
+        for what, proj, heads in self.projections():
             if proj.weight.dim() != 2:
                 raise ValueError(f"{name}: the {what} weight must be a matrix, got shape {tuple(proj.weight.shape)}")
             stop = proj.offset + heads * self.head_dim
@@ -119,6 +122,11 @@ class QKLayout:
                 raise ValueError(
                     f"{name}: the {what} bias of shape {tuple(proj.bias.shape)} has fewer than {bias_stop} entries"
                 )
+
+    def projections(self) -> list[tuple[str, QKProjection, int]]:
+        """``(what, projection, heads)`` for the query, the key and (where known) the value."""
+        found = [("query", self.query, self.num_heads), ("key", self.key, self.num_kv_heads)]
+        return found + ([("value", self.value, self.num_kv_heads)] if self.value is not None else [])
 
     @property
     def group_size(self) -> int:

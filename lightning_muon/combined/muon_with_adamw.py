@@ -99,6 +99,7 @@ class MuonWithAdamW(Optimizer):
         muon_params: glob patterns of parameter names forced onto Muon (a model only).
         adamw_params: glob patterns of parameter names forced onto AdamW (a model only).
         split_fused: orthogonalise each block of a fused projection on its own (a model only).
+        split_heads: orthogonalise each attention head of q, k and v on its own (a model only; `route_parameters`).
         matrix_blocks: glob pattern -> row-block sizes of those Muon matrices, ``None``: whole (a model only).
         group_settings: group name -> its own ``lr``/``weight_decay``/``betas``/``eps``/``momentum`` (a model only).
 
@@ -145,6 +146,7 @@ class MuonWithAdamW(Optimizer):
         split_fused: bool = False,
         matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
         group_settings: Mapping[str, Mapping[str, Any]] | None = None,
+        split_heads: bool = False,
     ) -> None:
         self._settings: dict[str, dict[str, Any]] = {
             MUON_KEY: {
@@ -165,7 +167,8 @@ class MuonWithAdamW(Optimizer):
         #: The inner optimizers, built from the first group of their algorithm.
         self._inner: dict[str, Optimizer] = {}
         routing_settings = {"muon_params": muon_params, "adamw_params": adamw_params, "split_fused": split_fused,
-                            "matrix_blocks": matrix_blocks, "group_settings": group_settings}
+                            "matrix_blocks": matrix_blocks, "group_settings": group_settings,
+                            "split_heads": split_heads}
         groups, self.routing = _groups(params, routing_settings)
         # ``defaults``: each algorithm's, as its inner optimizer has them once it is built (`add_param_group`).
         super().__init__(groups, {MUON_KEY: {}, ADAMW_KEY: {}})
@@ -212,24 +215,11 @@ class MuonWithAdamW(Optimizer):
         else:
             inner.add_param_group(param_group)
         assert inner.param_groups[-1] is param_group  # the same dict: schedulers' writes reach the inner one
-        self._refuse_shared(param_group, inner)
+        _refuse_shared(self.param_groups, param_group, inner)
         if algorithm not in self._inner:
             self._inner[algorithm] = inner
             self.defaults[algorithm] = dict(inner.defaults)
         self.param_groups.append(param_group)
-
-    def _refuse_shared(self, group: dict[str, Any], inner: Optimizer) -> None:
-        """A parameter already in a group of the other algorithm: undo the inner add and refuse."""
-        others = {p for g in self.param_groups if g["algorithm"] != group["algorithm"] for p in g["params"]}
-        shared = [i for i, p in enumerate(group["params"]) if p in others]
-        if shared:
-            inner.param_groups.pop()
-            names = group.get(PARAM_NAMES)
-            which = ", ".join(names[i] if names else f"params[{i}]" for i in shared[:5])
-            raise ValueError(
-                f"some parameters appear in both a Muon and an AdamW group ({which}); each parameter belongs to "
-                "exactly one algorithm"
-            )
 
     # ------------------------------------------------------------------- state
 
@@ -293,6 +283,20 @@ class MuonWithAdamW(Optimizer):
         return loss
 
 
+def _refuse_shared(param_groups: list[dict[str, Any]], group: dict[str, Any], inner: Optimizer) -> None:
+    """A parameter of ``group`` already in a group of the other algorithm: undo the inner add and refuse."""
+    others = {p for g in param_groups if g["algorithm"] != group["algorithm"] for p in g["params"]}
+    shared = [i for i, p in enumerate(group["params"]) if p in others]
+    if shared:
+        inner.param_groups.pop()
+        names = group.get(PARAM_NAMES)
+        which = ", ".join(names[i] if names else f"params[{i}]" for i in shared[:5])
+        raise ValueError(
+            f"some parameters appear in both a Muon and an AdamW group ({which}); each parameter belongs to "
+            "exactly one algorithm"
+        )
+
+
 def _groups(
     params: nn.Module | Routing | Iterable[dict[str, Any]], settings: dict[str, Any]
 ) -> tuple[list[dict[str, Any]], Routing | None]:
@@ -310,9 +314,9 @@ def _groups(
             "group_settings are the routing's groups' settings: give the model itself (MuonWithAdamW.from_model(model, "
             "group_settings=...)), or route_parameters(model, group_settings=...) and pass the Routing"
         )
-    elif settings["split_fused"] or settings["matrix_blocks"]:
+    elif settings["split_fused"] or settings["matrix_blocks"] or settings["split_heads"]:
         raise ValueError(
-            "split_fused / matrix_blocks are routing settings: give the model itself "
+            "split_fused / split_heads / matrix_blocks are routing settings: give the model itself "
             "(MuonWithAdamW.from_model(model, split_fused=True)), or route_parameters(model, split_fused=True)"
         )
     elif isinstance(params, Routing):

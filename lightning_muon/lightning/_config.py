@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.optim import Optimizer
 
 from lightning_muon.lightning._specs import from_spec, plain_data, target_class, to_spec
 from lightning_muon.optim.defaults import PAIRED_ADAMW, PAIRED_MUON
 from lightning_muon.optim.groups import PARAM_NAMES, group_effective_lrs, is_count
 from lightning_muon.optim.muon import Muon
 from lightning_muon.routing import (
+    ADAMW,
+    MUON,
     Algorithm,
     GraphRoles,
     Routing,
@@ -48,6 +47,16 @@ DEFAULT_ADAMW: dict = {
 }
 
 
+def _check_switches(parent_lr: object, split_fused: object, split_heads: object) -> None:
+    """Refuse a switch of the mixin's that is not a bool (a YAML ``"yes"``, say)."""
+    if not isinstance(parent_lr, bool):
+        raise ValueError(f"parent_lr must be True or False, got {parent_lr!r}")
+    if not isinstance(split_fused, bool):
+        raise ValueError(f"split_fused must be True or False, got {split_fused!r}")
+    if not isinstance(split_heads, bool):
+        raise ValueError(f"split_heads must be True or False, got {split_heads!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class MuonConfig:
     """`MuonMixin`'s keyword-only arguments, validated, with the factories resolved.
@@ -60,6 +69,9 @@ class MuonConfig:
     muon: Any
     adamw: Any
     lr_scheduler: Any
+    #: Each optimizer's own lr scheduler spec, which replaces ``lr_scheduler`` for it (`_schedulers`).
+    muon_lr_scheduler: Any = None
+    adamw_lr_scheduler: Any = None
     muon_params: tuple[str, ...]
     adamw_params: tuple[str, ...]
     accumulate_grad_batches: int
@@ -68,6 +80,8 @@ class MuonConfig:
     parent_lr: bool = False
     #: Orthogonalise the blocks of every fused projection the routing finds on their own (`route_parameters`).
     split_fused: bool = False
+    #: Orthogonalise each attention head of q, k and v on its own (`route_parameters`' ``split_heads``).
+    split_heads: bool = False
     #: Glob pattern -> the row-block sizes of those Muon parameters, or ``None`` to keep a found one whole.
     matrix_blocks: dict[str, list[int] | None] = field(default_factory=dict, hash=False)
     #: Group name -> that group's own settings (``{"embeddings": {"lr": 0.01}}``), over its optimizer's defaults.
@@ -76,6 +90,8 @@ class MuonConfig:
     muon_factory: Callable[..., Any] | None = field(compare=False, repr=False)
     adamw_factory: Callable[..., Any] = field(compare=False, repr=False)
     lr_scheduler_factory: Callable[..., Any] | None = field(compare=False, repr=False)
+    muon_lr_scheduler_factory: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    adamw_lr_scheduler_factory: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_arguments(
@@ -84,6 +100,8 @@ class MuonConfig:
         muon: Any,
         adamw: Any,
         lr_scheduler: Any,
+        muon_lr_scheduler: Any = None,
+        adamw_lr_scheduler: Any = None,
         muon_params: Sequence[str],
         adamw_params: Sequence[str],
         accumulate_grad_batches: int,
@@ -93,6 +111,7 @@ class MuonConfig:
         split_fused: bool = False,
         matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
         group_settings: Mapping[str, Mapping[str, Any]] | None = None,
+        split_heads: bool = False,
     ) -> MuonConfig:
         """Validate the mixin's arguments (a `ValueError` naming the bad value and the fix) and resolve them."""
         if not is_count(accumulate_grad_batches):
@@ -105,10 +124,7 @@ class MuonConfig:
             raise ValueError(
                 f"max_consecutive_skips must be >= 1, got {max_consecutive_skips!r} (a whole number of updates)"
             )
-        if not isinstance(parent_lr, bool):
-            raise ValueError(f"parent_lr must be True or False, got {parent_lr!r}")
-        if not isinstance(split_fused, bool):
-            raise ValueError(f"split_fused must be True or False, got {split_fused!r}")
+        _check_switches(parent_lr, split_fused, split_heads)
         if matrix_blocks is not None and not isinstance(matrix_blocks, Mapping):
             raise ValueError(
                 f"matrix_blocks must map glob patterns to row-block sizes (or None), e.g. "
@@ -118,7 +134,8 @@ class MuonConfig:
         muon_factory, adamw_factory, lr_scheduler_factory = from_spec(muon), from_spec(adamw), from_spec(lr_scheduler)
         if adamw_factory is None:
             raise ValueError("adamw must be an optimizer factory; it holds every parameter that is not on Muon")
-        specs = {"muon": to_spec(muon), "adamw": to_spec(adamw), "lr_scheduler": to_spec(lr_scheduler)}
+        specs = {"muon": to_spec(muon), "adamw": to_spec(adamw), "lr_scheduler": to_spec(lr_scheduler),
+                 "muon_lr_scheduler": to_spec(muon_lr_scheduler), "adamw_lr_scheduler": to_spec(adamw_lr_scheduler)}
         for name, spec in specs.items():
             if isinstance(spec, dict) and "callable" in spec:
                 rank_zero_warn(
@@ -130,6 +147,8 @@ class MuonConfig:
             muon=specs["muon"],
             adamw=specs["adamw"],
             lr_scheduler=specs["lr_scheduler"],
+            muon_lr_scheduler=specs["muon_lr_scheduler"],
+            adamw_lr_scheduler=specs["adamw_lr_scheduler"],
             muon_params=tuple(muon_params),
             adamw_params=tuple(adamw_params),
             accumulate_grad_batches=accumulate_grad_batches,
@@ -137,12 +156,15 @@ class MuonConfig:
             max_consecutive_skips=max_consecutive_skips,
             parent_lr=parent_lr,
             split_fused=split_fused,
+            split_heads=split_heads,
             matrix_blocks={str(k): None if v is None else [int(x) for x in v]
                            for k, v in (matrix_blocks or {}).items()},
             group_settings=settings,
             muon_factory=muon_factory,
             adamw_factory=adamw_factory,
             lr_scheduler_factory=lr_scheduler_factory,
+            muon_lr_scheduler_factory=from_spec(muon_lr_scheduler),
+            adamw_lr_scheduler_factory=from_spec(adamw_lr_scheduler),
         )
 
     @property
@@ -184,6 +206,7 @@ class MuonConfig:
             muon_nd=muon_class is not None and issubclass(muon_class, Muon),
             graph=roles,
             split_fused=self.split_fused,
+            split_heads=self.split_heads,
             matrix_blocks=self.matrix_blocks or None,
             group_settings=self.group_settings,
         )
@@ -203,46 +226,19 @@ class MuonConfig:
                     lrs[name] = float(group["lr"])
         return lrs
 
-    def build_schedulers(self, optimizers: list[Optimizer], fit_length: Callable[[], float]) -> list[dict[str, Any]]:
-        """One scheduler per optimizer, as Lightning's scheduler configs.
+    @property
+    def scheduler_factories(self) -> dict[str, Callable[..., Any] | None]:
+        """The lr scheduler factory of each optimizer, by algorithm: its own (``muon_lr_scheduler``,
+        ``adamw_lr_scheduler``) where given, else the shared ``lr_scheduler`` (`_schedulers.build_schedulers`); none
+        for Muon with ``muon=None``."""
+        muon = self.muon_lr_scheduler_factory or self.lr_scheduler_factory
+        return {MUON: muon if self.muon_enabled else None,
+                ADAMW: self.adamw_lr_scheduler_factory or self.lr_scheduler_factory}
 
-        The factory may return a scheduler (stepped per update) or a Lightning scheduler dict
-        (``{"scheduler": ..., "interval": "epoch", "frequency": 2, "monitor": "val_loss"}``; ``interval``
-        defaults to ``"step"``). A ``ReduceLROnPlateau`` is stepped per epoch on its ``monitor`` (the dict's, or
-        the scheduler's own attribute as ``lightning.pytorch.cli.ReduceLROnPlateau`` has it).
-        A scheduler whose ``total_steps`` is ``None`` after construction (`lightning_muon.WarmupCosine`'s
-        protocol) gets the fit's number of updates, ``fit_length()``.
-        """
-        assert self.lr_scheduler_factory is not None
-        schedulers = []
-        for optimizer in optimizers:
-            built = self.lr_scheduler_factory(optimizer)
-            config = dict(built) if isinstance(built, dict) else {"scheduler": built}
-            scheduler = config["scheduler"]
-            if getattr(scheduler, "total_steps", 0) is None:
-                total = fit_length()
-                if not math.isfinite(total):
-                    raise MisconfigurationException(
-                        f"{type(scheduler).__name__} needs the length of the fit, which is unbounded here: set "
-                        "Trainer(max_steps=...) or max_epochs, or give the scheduler total_steps=..."
-                    )
-                scheduler.total_steps = int(total)
-            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-                config.setdefault("monitor", getattr(scheduler, "monitor", None))
-                config.setdefault("interval", "epoch")
-                if config["monitor"] is None:
-                    raise MisconfigurationException(
-                        "lr_scheduler builds a ReduceLROnPlateau but names no metric to monitor: use "
-                        "lightning.pytorch.cli.ReduceLROnPlateau(optimizer, monitor='val_loss', ...) or return "
-                        "{'scheduler': ReduceLROnPlateau(optimizer), 'monitor': 'val_loss'} from the factory."
-                    )
-            config.setdefault("interval", "step")
-            if config["interval"] not in ("step", "epoch"):
-                raise MisconfigurationException(
-                    f"lr_scheduler's interval must be 'step' or 'epoch', got {config['interval']!r}"
-                )
-            schedulers.append(config)
-        return schedulers
+    @property
+    def scheduled(self) -> bool:
+        """Whether any optimizer has an lr scheduler."""
+        return any(f is not None for f in self.scheduler_factories.values())
 
     def with_adamw_lr(self, lr: float) -> MuonConfig:
         """This config with AdamW's lr replaced (``lr_find``'s suggestion for the ``muon=None`` baseline)."""

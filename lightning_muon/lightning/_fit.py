@@ -37,6 +37,7 @@ from lightning_muon.lightning import _checkpoint, _checks, _compat, _finetuning,
 from lightning_muon.lightning._config import MuonConfig
 from lightning_muon.lightning._late import stepped
 from lightning_muon.lightning._pair import OptimizerPair, conform_structure, layout_of, saved_added_members
+from lightning_muon.lightning._schedulers import build_schedulers
 from lightning_muon.lightning._update_loop import UpdateSettings
 from lightning_muon.optim.groups import ns_dtype_line
 from lightning_muon.routing import MUON, GraphRoles, Routing, loss_in, trace_step
@@ -320,13 +321,27 @@ class FitState:
         return config
 
 
+def end_fit(module: Any) -> None:
+    """The end of ``module``'s (a `MuonMixin`'s) fit, by any exit (from the fit's callback, `FitEnd`: Lightning
+    calls the module's ``teardown`` only when a fit ends normally): the Trainer, its strategy and the module get
+    back what the fit borrowed, lr_find's suggestion is kept, the update loop's hooks come off; once, whichever
+    exit."""
+    fit, module._muon_fit = module._muon_fit, None
+    if fit is None:
+        return
+    try:
+        module._muon_config = fit.teardown(module, module._muon_config)
+    finally:
+        module._muon_loop.end_fit()
+
+
 def build_optimizers(module: LightningModule, routing_now: Callable[[], Routing], config: MuonConfig,
                      fit: FitState | None = None) -> tuple[OptimizerPair, list[dict[str, Any]]]:
     """The optimizer pair over the param groups of the module's routing as it stands (``routing_now``: asked again
     for what a finetuning callback unfreezes later) (`OptimizerPair.build`; with both optimizers where the
     ``fit`` keeps both: it has a finetuning callback) and their schedulers' configs (none without
-    ``lr_scheduler``). The routing table is printed once (INFO), and a model with nothing trainable refused by
-    name."""
+    ``lr_scheduler`` or an optimizer's own: `_schedulers.build_schedulers`). The routing table is printed once
+    (INFO), and a model with nothing trainable refused by name."""
     routing = routing_now()
     if not routing.routes:
         raise MisconfigurationException(
@@ -336,12 +351,13 @@ def build_optimizers(module: LightningModule, routing_now: Callable[[], Routing]
         )
     rank_zero_info("\n" + routing.render())
     pair = OptimizerPair(config, routing_now, keep_both=fit is not None and fit.keep_both)
-    optimizers = list(pair.build(routing).values())
+    optimizers = pair.build(routing)
     if (precision := ns_dtype_line(pair.optimizers.get(MUON))) is not None:  # every rank: they agree
         rank_zero_info(precision)  # the Newton-Schulz dtype chosen by hardware
-    if config.lr_scheduler_factory is None:
+    if not config.scheduled:
         return pair, []
-    return pair, config.build_schedulers(optimizers, lambda: module.trainer.estimated_stepping_batches)
+    return pair, build_schedulers(config.scheduler_factories, optimizers,
+                                  lambda: module.trainer.estimated_stepping_batches)
 
 
 def checkpoint_record(module: Any, config: MuonConfig, roles: GraphRoles | None, loop_state: dict[str, int],

@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_muon.lightning._late import LaterGroups, Layout, group_bases, held_tensors
+from lightning_muon.lightning._schedulers import build_schedulers
 from lightning_muon.optim.groups import MATRIX_BLOCKS, MATRIX_LAYOUTS, NAME, PARAM_NAMES, blocks_of, layouts_of
 from lightning_muon.routing import ADAMW, MUON, Algorithm, Group, Routing
 
@@ -300,13 +301,13 @@ class OptimizerPair:
         for algorithm, optimizer in self.optimizers.items():
             optimizer.param_groups[:] = self._build(algorithm, groups[algorithm]).param_groups if groups[algorithm] \
                 else []
-        if self.config.lr_scheduler_factory is None:
+        if not self.config.scheduled:
             return
         with contextlib.ExitStack() as built_groups_only:
             for optimizer in self.optimizers.values():
                 built_groups_only.enter_context(self.scheduled_groups(optimizer))
-            rebuilt = self.config.build_schedulers(list(self.optimizers.values()),
-                                                   lambda: trainer.estimated_stepping_batches)
+            rebuilt = build_schedulers(self.config.scheduler_factories, self.optimizers,
+                                       lambda: trainer.estimated_stepping_batches)
         for scheduler_config, built_config in zip(trainer.lr_scheduler_configs, rebuilt, strict=True):
             scheduler_config.scheduler = built_config["scheduler"]
 

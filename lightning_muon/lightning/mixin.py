@@ -38,9 +38,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_muon.lightning import _checkpoint, _checks, _compat
 from lightning_muon.lightning._config import DEFAULT_ADAMW, DEFAULT_MUON, MuonConfig
-from lightning_muon.lightning._fit import FitEnd, FitState, build_optimizers, check_resume, checkpoint_record
+from lightning_muon.lightning._fit import FitEnd, FitState, build_optimizers, check_resume, checkpoint_record, end_fit
 from lightning_muon.lightning._hparams import save_hyperparameters, settings_from_checkpoint
 from lightning_muon.lightning._pair import OptimizerPair
+from lightning_muon.lightning._schedulers import check_layout
 from lightning_muon.lightning._update_loop import UpdateLoop, UpdateSettings, bind_step
 from lightning_muon.optim.groups import update_rule
 from lightning_muon.routing import Algorithm, GraphRoles, Routing
@@ -94,6 +95,8 @@ class MuonMixin(_LightningModuleBase):
             (``interval``, ``frequency``, ``monitor``), applied to each optimizer separately, e.g.
             `lightning_muon.WarmupCosine` (its ``total_steps`` defaults to the number of updates of the fit).
             ``None``: constant lr.
+        muon_lr_scheduler: Muon's own scheduler factory, as ``lr_scheduler``, which it replaces for Muon.
+        adamw_lr_scheduler: AdamW's own, the same way.
         muon_params: glob patterns of parameter names forced onto Muon.
         adamw_params: glob patterns of parameter names forced onto AdamW.
         accumulate_grad_batches: micro-batches per update (as ``Trainer(accumulate_grad_batches=...)``: give one).
@@ -109,6 +112,8 @@ class MuonMixin(_LightningModuleBase):
             gates are split whatever it says (measured better).
         matrix_blocks: glob pattern -> row-block sizes of those Muon matrices (``{"*.qkv.weight": [64, 64, 64]}``),
             or ``None`` to keep a found one whole; the first matching pattern decides, over ``split_fused``.
+        split_heads: orthogonalise each attention head of q, k and v on its own (`route_parameters`); off by
+            default, not yet measured.
         group_settings: a routing group's own settings over its optimizer's (keys ``lr``, ``weight_decay``,
             ``betas``, ``eps``, ``momentum``): ``{"embeddings": {"lr": 0.01}, "head": {"weight_decay": 0.0}}``.
         max_consecutive_skips: updates with non-finite gradients are skipped for both optimizers; after this many in
@@ -129,6 +134,8 @@ class MuonMixin(_LightningModuleBase):
         muon: OptimizerCallable | None = DEFAULT_MUON,  # type: ignore[assignment]
         adamw: OptimizerCallable = DEFAULT_ADAMW,  # type: ignore[assignment]
         lr_scheduler: LRSchedulerCallable | None = None,
+        muon_lr_scheduler: LRSchedulerCallable | None = None,
+        adamw_lr_scheduler: LRSchedulerCallable | None = None,
         muon_params: Sequence[str] = (),
         adamw_params: Sequence[str] = (),
         accumulate_grad_batches: int = 1,
@@ -138,17 +145,20 @@ class MuonMixin(_LightningModuleBase):
         split_fused: bool = False,
         matrix_blocks: dict[str, list[int] | None] | None = None,
         group_settings: dict[str, dict[str, Any]] | None = None,
+        split_heads: bool = False,
         **kwargs: Any,
     ) -> None:
         config = MuonConfig.from_arguments(
-            muon=muon, adamw=adamw, lr_scheduler=lr_scheduler, muon_params=muon_params, adamw_params=adamw_params,
+            muon=muon, adamw=adamw, lr_scheduler=lr_scheduler, muon_lr_scheduler=muon_lr_scheduler,
+            adamw_lr_scheduler=adamw_lr_scheduler, muon_params=muon_params, adamw_params=adamw_params,
             accumulate_grad_batches=accumulate_grad_batches, gradient_clip_val=gradient_clip_val,
             max_consecutive_skips=max_consecutive_skips, parent_lr=parent_lr, split_fused=split_fused,
-            matrix_blocks=matrix_blocks, group_settings=group_settings,
+            matrix_blocks=matrix_blocks, group_settings=group_settings, split_heads=split_heads,
         )
         # Rebind the arguments to plain data before the parent's __init__ runs: a parent calling
         # save_hyperparameters() collects these frames' locals, and checkpoints must load with weights_only.
         muon, adamw, lr_scheduler = config.muon, config.adamw, config.lr_scheduler
+        muon_lr_scheduler, adamw_lr_scheduler = config.muon_lr_scheduler, config.adamw_lr_scheduler
         muon_params, adamw_params = list(config.muon_params), list(config.adamw_params)
         super().__init__(*args, **kwargs)
         if not self.automatic_optimization:
@@ -219,7 +229,7 @@ class MuonMixin(_LightningModuleBase):
         self._muon_loop.optimizers_built(self, optimizers, pair.scheduled_groups)
         if self._muon_fit is not None:
             self._muon_fit.configure_optimizers(pair, schedulers)
-        return (optimizers, schedulers) if config.lr_scheduler_factory is not None else optimizers
+        return (optimizers, schedulers) if config.scheduled else optimizers
 
     def configure_callbacks(self) -> Any:
         callbacks = super().configure_callbacks()
@@ -227,7 +237,8 @@ class MuonMixin(_LightningModuleBase):
             self._end_fit()  # a fit whose end Lightning never reported (none known): what it borrowed, back
             self._muon_loop.start_fit()
             fit_end = FitEnd(self._end_fit)  # Lightning skips the module's teardown when a fit raises
-            self._muon_fit = FitState.start(self, self._muon_config, self._load_record, fit_end)
+            load_record = functools.partial(_load_record, self)
+            self._muon_fit = FitState.start(self, self._muon_config, load_record, fit_end)
             own = [] if not callbacks else list(callbacks) if isinstance(callbacks, Sequence) else [callbacks]
             callbacks = [*own, fit_end]
         return callbacks
@@ -260,16 +271,8 @@ class MuonMixin(_LightningModuleBase):
         self._muon_loop.on_train_epoch_end(self)
 
     def _end_fit(self) -> None:
-        """The end of a fit, by any exit (from the fit's callback, `FitEnd`: Lightning calls the module's
-        ``teardown`` only when a fit ends normally): the Trainer, its strategy and the module get back what the
-        fit borrowed, lr_find's suggestion is kept, the update loop's hooks come off; once, whichever exit."""
-        fit, self._muon_fit = self._muon_fit, None
-        if fit is None:
-            return
-        try:
-            self._muon_config = fit.teardown(self, self._muon_config)
-        finally:
-            self._muon_loop.end_fit()
+        """The end of a fit, by any exit (`end_fit`): what the fit borrowed, back; once, whichever exit."""
+        end_fit(self)
 
     def _muon_step(self, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         return _run_step(self, step, args, kwargs)
@@ -310,12 +313,13 @@ class MuonMixin(_LightningModuleBase):
         super().on_load_checkpoint(checkpoint)
         _load_checkpoint(self, checkpoint)
 
-    def _load_record(self, saved: dict[str, Any]) -> None:
-        """A distributed checkpoint's record, before its optimizer states load: take its roles, and the fit's
-        optimizers, built already, hold its groups."""
-        self._muon_roles = _checkpoint.saved_roles(saved, resuming=True)
-        if self._muon_fit is not None:
-            self._muon_fit.restore(self.trainer, saved, self.muon_routing())
+
+def _load_record(module: MuonMixin, saved: dict[str, Any]) -> None:
+    """A distributed checkpoint's record, before its optimizer states load: take its roles, and the fit's
+    optimizers, built already, hold its groups."""
+    module._muon_roles = _checkpoint.saved_roles(saved, resuming=True)
+    if module._muon_fit is not None:
+        module._muon_fit.restore(module.trainer, saved, module.muon_routing())
 
 
 def _optimizer_config(module: MuonMixin) -> MuonConfig:
@@ -363,4 +367,5 @@ def _load_checkpoint(module: MuonMixin, checkpoint: dict[str, Any]) -> None:
     if resuming:  # optimizer states follow: they must meet the parameters they were saved for, with their settings
         _checkpoint.check_group_settings(saved, module._muon_config.group_settings)
         check_resume(module, checkpoint, saved, module.muon_routing(), module._muon_fit)
+        check_layout(checkpoint, saved, module._muon_config.to_hparams())  # the schedulers' states, by position
     module._muon_loop.load_state_dict(saved)

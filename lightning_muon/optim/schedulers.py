@@ -30,7 +30,8 @@ class WarmupCosine(LambdaLR):
         last_epoch: the index of the last update taken (``-1``: a new schedule), as torch's schedulers take it.
 
     Examples:
-        `MuonMixin`'s ``lr_scheduler``, among the model's ``init_args`` in a config (applied to both optimizers):
+        `MuonMixin`'s ``lr_scheduler``, among the model's ``init_args`` in a config (applied to both optimizers;
+        ``muon_lr_scheduler`` or ``adamw_lr_scheduler`` for one of them):
 
         ```yaml
         lr_scheduler:

@@ -17,6 +17,7 @@ from torch.nn.parameter import is_lazy
 from lightning_muon.optim import groups
 from lightning_muon.optim._dtensor import fsdp1_wrapped
 from lightning_muon.routing import _roles
+from lightning_muon.routing._heads import HeadBlocks, head_blocks
 from lightning_muon.routing._route import Route
 from lightning_muon.routing._routing import Routing
 from lightning_muon.routing._settings import check_group_settings
@@ -404,6 +405,7 @@ def route_parameters(
     split_fused: bool = False,
     matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
     group_settings: Mapping[str, Mapping[str, Any]] | None = None,
+    split_heads: bool = False,
 ) -> Routing:
     """Decide Muon or AdamW for every trainable parameter of ``module``, with a reason and the rule that decided.
 
@@ -422,10 +424,16 @@ def route_parameters(
             layers' gates are split whatever it says).
         matrix_blocks: glob patterns on full parameter names -> the row-block sizes of those Muon parameters along
             their output dim (``{"*.c_attn.weight": [768, 768, 768]}``), or ``None`` to keep a found one fused;
-            the first matching pattern decides, over ``split_fused``.
+            the first matching pattern decides, over ``split_fused`` and ``split_heads``.
         group_settings: group name -> that group's own settings (keys ``lr``, ``weight_decay``, ``betas``,
             ``eps``, ``momentum``), put into its param group (`Routing.groups`), where torch's optimizers take them
             over their defaults: ``{"embeddings": {"lr": 0.01, "weight_decay": 0.0}, "head": {"lr": 0.002}}``.
+        split_heads: orthogonalise each attention head of the q, k and v projections on its own (Kimi K3's
+            and torchtitan's per-head Muon): q by its heads, k and v by their key-value heads (grouped-query
+            attention), a fused qkv first by projection (it implies ``split_fused`` there). The heads are read from
+            the model (transformers' and litgpt's configs, ``nn.MultiheadAttention``, a ``qk_layout()`` method),
+            never guessed. The output projection stays whole: its heads are its input columns, not its rows. Off by
+            default, not yet measured; on sharded parameters it follows blocks' support.
 
     Fused projections (``nn.MultiheadAttention``'s ``in_proj_weight``, GPT-2's ``c_attn``, litgpt's ``qkv``,
     transformers' fused MoE ``gate_up_proj``) are found by module type and shape and named in the reason. With
@@ -516,7 +524,9 @@ def route_parameters(
             decision = replace(decision, reason=f"{decision.reason}; {NOT_REACHED}")
         routes.append(decision.route(name, tuple(p.shape)))
 
-    found = _Found(_roles.fused_projections(module), _roles.recurrent_gates(module), _roles.grouped_kernels(module))
+    per_head = _heads_of(module, trainable, aliases, dict(matrix_blocks or {})) if split_heads else {}
+    found = _Found(_roles.fused_projections(module), _roles.recurrent_gates(module), _roles.grouped_kernels(module),
+                   per_head)
     routes = _with_blocks(routes, trainable, aliases, found, split_fused, dict(matrix_blocks or {}), muon_nd)
     routed = [r.name for r in routes]
     if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's
@@ -535,6 +545,25 @@ class _Found:
     gates: dict[str, tuple[str, tuple[int, ...]]]
     #: Grouped convolutions' kernels: their number of groups (`_roles.grouped_kernels`).
     grouped: dict[str, int]
+    #: Attention projections' per-head blocks, with ``split_heads`` (`head_blocks`); empty without it.
+    heads: dict[str, HeadBlocks]
+
+
+def _heads_of(module: nn.Module, params: dict[str, Tensor], aliases: dict[str, list[str]],
+              patterns: dict[str, Sequence[int] | None]) -> dict[str, HeadBlocks]:
+    """`head_blocks` of ``module``'s trainable ``params``, reading no heads in a module whose trainable matrices
+    ``matrix_blocks`` patterns all decide (the user's blocks stand there, heads readable or not), or that has
+    matrices but none trainable (nothing to split)."""
+    decided = {alias for name, p in params.items() if p.dim() >= 2 and _matched(list(patterns), aliases[name])
+               for alias in aliases[name]}
+    given: list[str] = []
+    for mod_name, mod in module.named_modules():
+        if not mod_name or any(mod_name.startswith(f"{g}.") for g in given):
+            continue
+        matrices = [(f"{mod_name}.{n}", p.requires_grad) for n, p in mod.named_parameters() if p.dim() >= 2]
+        if matrices and {n for n, trained in matrices if trained} <= decided:
+            given.append(mod_name)
+    return head_blocks(module, params, given)
 
 
 def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[str, list[str]], found: _Found,
@@ -542,12 +571,13 @@ def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[s
     """``routes`` with their row blocks: a grouped convolution's kernel split into its groups (always: each group
     is a layer's operator of its own), a recurrent layer's gates split (by default, where the Muon class can), any
     other fused projection's blocks named in the reason and split where ``split_fused`` says so; a
-    ``matrix_blocks`` pattern decides over all."""
+    ``matrix_blocks`` pattern decides over all; ``split_heads``' per-head blocks over the fused projections'."""
     done = []
     for r in routes:
         fused = next((found.fused[a] for a in aliases[r.name] if a in found.fused), None)
         gates = next((found.gates[a] for a in aliases[r.name] if a in found.gates), None)
         groups = next((found.grouped[a] for a in aliases[r.name] if a in found.grouped), None)
+        heads = found.heads.get(r.name)
         pattern = _matched(list(patterns), aliases[r.name])
         if r.optimizer is not Algorithm.MUON:
             if pattern is not None and patterns[pattern] is not None:
@@ -559,14 +589,16 @@ def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[s
         if pattern is not None:
             given = patterns[pattern]
             sizes = None if given is None else tuple(given)
-        elif groups is not None:
-            sizes = (shape[0] // groups,) * groups
         else:
-            sizes = fused[1] if fused is not None and (split_fused or (gates is not None and muon_nd)) else None
+            sizes = _found_sizes(shape, groups, heads, fused, gates, split_fused, muon_nd)
         if sizes is not None:
-            _check_blocks(r, params[r.name], sizes, pattern, muon_nd)
+            origin = f"matrix_blocks pattern {pattern!r}" if pattern else "split_heads" if heads else "split_fused"
+            _check_blocks(r, params[r.name], sizes, origin, muon_nd)
         if groups is not None:
             reason = _groups_reason(r.reason, shape, groups, sizes, pattern)
+        elif heads is not None and (pattern is None or (fused is None and sizes is None)):
+            kept = f"orthogonalised whole (matrix_blocks {pattern!r})"
+            reason = f"{r.reason}; {heads.words if pattern is None else kept}"
         elif gates is not None and pattern is None:
             reason = _gates_reason(r.reason, gates, sizes)
         else:
@@ -575,9 +607,21 @@ def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[s
     return done
 
 
-def _check_blocks(r: Route, p: Tensor, sizes: tuple[int, ...], pattern: str | None, muon_nd: bool) -> None:
-    """Refuse blocks that do not cover a parameter's output rows, and blocks for a Muon class that cannot split."""
-    origin = f"matrix_blocks pattern {pattern!r}" if pattern else "split_fused"
+def _found_sizes(shape: tuple[int, ...], groups: int | None, heads: HeadBlocks | None,
+                 fused: tuple[str, tuple[int, ...] | None] | None, gates: tuple[str, tuple[int, ...]] | None,
+                 split_fused: bool, muon_nd: bool) -> tuple[int, ...] | None:
+    """The blocks no pattern gave: a grouped kernel's groups, else the heads (``split_heads``), else a fused
+    projection's blocks where ``split_fused`` (or, for recurrent gates, the Muon class) says so."""
+    if groups is not None:
+        return (shape[0] // groups,) * groups
+    if heads is not None:
+        return heads.sizes
+    return fused[1] if fused is not None and (split_fused or (gates is not None and muon_nd)) else None
+
+
+def _check_blocks(r: Route, p: Tensor, sizes: tuple[int, ...], origin: str, muon_nd: bool) -> None:
+    """Refuse blocks that do not cover a parameter's output rows, and blocks for a Muon class that cannot split
+    (``origin``: what asked for them)."""
     if not muon_nd:
         raise ValueError(f"{origin} splits `{r.name}` into blocks, which torch.optim.Muon cannot do (it would "
                          "orthogonalise the fused matrix): use lightning_muon.Muon, or drop the blocks")

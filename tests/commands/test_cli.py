@@ -4,6 +4,7 @@ main job (``gpt_muon.yaml``) without a warning from lightning_muon."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import subprocess
@@ -242,8 +243,8 @@ def test_model_help_shows_the_mixin_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["fit", "--model.help", "lightning_muon.examples.char_gpt.CharGPT"])
     out = capsys.readouterr().out
-    for argument in ("muon", "adamw", "lr_scheduler", "muon_params", "adamw_params", "accumulate_grad_batches",
-                     "gradient_clip_val", "n_layer", "n_embd"):
+    for argument in ("muon", "adamw", "lr_scheduler", "muon_lr_scheduler", "adamw_lr_scheduler", "muon_params",
+                     "adamw_params", "accumulate_grad_batches", "gradient_clip_val", "n_layer", "n_embd"):
         assert f"--model.{argument}" in out, argument
 
 
@@ -538,3 +539,25 @@ def test_the_main_job_prints_no_warning_from_lightning_muon(tmp_path, caplog):
     assert ours == []
     assert cli.trainer.global_step == 3
     assert any("GPT.configure_optimizers is replaced by MuonMixin's" in r.getMessage() for r in caplog.records)
+
+
+def test_an_lr_schedule_for_each_optimizer_from_yaml(tmp_path):
+    """``muon_lr_scheduler`` and ``adamw_lr_scheduler`` in a config file, through the real command: each optimizer's
+    groups follow their own schedule in the logged lrs (4 updates: Muon warmed up over 2 then the cosine, AdamW
+    halved each update)."""
+    extra = tmp_path / "schedules.yaml"
+    extra.write_text(
+        "model:\n  n_layer: 1\n  n_embd: 32\n"
+        "  muon_lr_scheduler: {class_path: lightning_muon.WarmupCosine, init_args: {warmup_steps: 2}}\n"
+        "  adamw_lr_scheduler: {class_path: torch.optim.lr_scheduler.StepLR, init_args: {step_size: 1, gamma: 0.5}}\n"
+    )
+    main(["fit", "--config", "gpt_muon.yaml", "--config", str(extra), "--trainer.max_steps", "4",
+          "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "0", "--trainer.enable_progress_bar",
+          "false"])
+    rows = read_metrics(next(Path("lightning_logs/gpt_muon").glob("version_*")))
+    lrs = {k: [float(r[k]) for r in rows if r[k]] for k in rows[0] if k.startswith("lr-")}
+    muon, adamw = [k for k in lrs if k.startswith("lr-Muon/")], [k for k in lrs if k.startswith("lr-AdamW/")]
+    assert muon and adamw
+    cosine = [0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi * (1 / 2)))]  # WarmupCosine's factors, 4 updates
+    assert all(lrs[k] == [0.02 * f for f in cosine] for k in muon), {k: lrs[k] for k in muon}
+    assert all(lrs[k] == [0.003 * 0.5**k for k in range(4)] for k in adamw), {k: lrs[k] for k in adamw}

@@ -1,8 +1,12 @@
 """The "One optimizer" guide (docs/guides/one-optimizer.md), run as written: transformers' Trainer, the
-automatic-optimization LightningModule, its LightningCLI config and the spec recipes."""
+automatic-optimization LightningModule, its LightningCLI config, the spec recipes and a schedule for each
+algorithm."""
 
 from __future__ import annotations
 
+import math
+
+import lightning as L
 import pytest
 import torch
 
@@ -24,8 +28,9 @@ def run(block: str, name: str) -> dict:
 
 def test_the_section_has_its_examples():
     python, yaml = blocks("python"), blocks("yaml")
-    assert len(python) == 3 and len(yaml) == 1
+    assert len(python) == 4 and len(yaml) == 1
     assert "optimizers=(optimizer, None)" in python[0] and "configure_optimizers" in python[1]
+    assert "LambdaLR" in python[3]
     assert "instantiate_class(model, spec)" in python[2] and "class_path: lightning_muon.MuonWithAdamW" in yaml[0]
 
 
@@ -84,3 +89,35 @@ def test_spec_examples():
             ("adamw", "norms_and_biases", 0.003),
         ]
         assert built.param_groups[0]["weight_decay"] == 0.01
+
+
+class Lrs(L.Callback):
+    """Every group's (algorithm, lr) as each update uses it, by update."""
+
+    def __init__(self) -> None:
+        self.updates: list[tuple[int, list[tuple[str, float]]]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        groups = getattr(optimizer, "optimizer", optimizer).param_groups
+        self.updates.append((trainer.global_step, [(g["algorithm"], g["lr"]) for g in groups]))
+
+
+def test_a_schedule_for_each_algorithm_example():
+    torch.manual_seed(0)
+    namespace = run(blocks("python")[1].split("\ntrainer = ")[0], "LightningModule and data")
+    exec(compile(blocks("python")[3], "docs/guides/one-optimizer.md (a schedule for each algorithm)", "exec",
+                 dont_inherit=True), namespace)
+    assert namespace["trainer"].global_step == 40
+    lrs = Lrs()
+    trainer = L.Trainer(max_steps=40, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[lrs])
+    trainer.fit(namespace["Scheduled"]())
+
+    def by_hand(algorithm: str, k: int) -> float:  # 40 updates: Muon warmed up over 4, then the cosine
+        if algorithm == "adamw":
+            return 3e-3 * 0.5 ** (k // 10)
+        return 0.02 * ((k + 1) / 4 if k < 4 else 0.5 * (1 + math.cos(math.pi * (k - 4) / (40 - 4))))
+
+    assert [k for k, _ in lrs.updates] == list(range(40))  # once per update, not per batch
+    assert {a for _, groups in lrs.updates for a, _ in groups} == {"muon", "adamw"}
+    assert all(lr == by_hand(a, k) for k, groups in lrs.updates for a, lr in groups), lrs.updates

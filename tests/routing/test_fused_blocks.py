@@ -154,5 +154,5 @@ def test_muon_with_adamw_takes_the_split_with_the_model_only():
     blocks = dict(zip(muon["param_names"], muon["matrix_blocks"], strict=True))
     assert blocks["transformer.h.0.attn.c_attn.weight"] == [32, 32, 32]
     assert opt.muon.effective_lr(net.get_parameter("transformer.h.0.attn.c_attn.weight")) == pytest.approx(0.02)
-    with pytest.raises(ValueError, match=r"split_fused / matrix_blocks are routing settings: give the model itself"):
+    with pytest.raises(ValueError, match=r"split_fused / split_heads / matrix_blocks are routing settings"):
         MuonWithAdamW(route_parameters(net), split_fused=True)
