@@ -3,7 +3,8 @@
 defaults), with NorMuon and cautious weight decay, step under FSDP2 (the owner path, its gather path when a step
 diagnoses, and ``split_ns=False``), HSDP, tensor parallelism (colwise rows, rowwise columns) and FSDP2 over it on
 2 and 4 gloo ranks bit for bit as on one process: rows sharded unevenly, blocks that straddle the shard boundary,
-momentum sharded as the parameter, NorMuon's moments per block; weights stored ``in x out`` gathered whole."""
+momentum sharded as the parameter, NorMuon's moments per block; weights stored ``in x out`` gathered whole;
+``split_heads``' per-head blocks."""
 
 from __future__ import annotations
 
@@ -134,6 +135,10 @@ def _ranks_main(argv: list[str]) -> None:
         results[name] = (_whole(model), muon.strategy.kind, muon.state[up]["momentum_buffer"].to_local().shape,
                           [p.placements for p in muon.param_groups[0]["params"]], muon.last_exchange_bytes)
     results["in_out"] = _in_out(init_device_mesh("cpu", (2,)))
+    model, mesh = Attention(), init_device_mesh("cpu", (2,))
+    fully_shard(model.attn, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    results["heads"] = _heads(model)
     torch.save(results, Path(argv[0]) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -156,6 +161,33 @@ def _in_out(mesh=None) -> tuple[list[torch.Tensor], int]:
                 normuon_beta2=0.9)
     _step_given(params, muon)
     return [(p.full_tensor() if mesh is not None else p).detach() for p in params.values()], muon.last_exchange_bytes
+
+
+class Attention(nn.Module):
+    """``nn.MultiheadAttention`` of 3 heads of 2: ``in_proj_weight`` (18 rows, 9 a rank on 2) split per head by
+    ``split_heads``, the head of rows 8-9 across the shard boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.attn = nn.MultiheadAttention(6, 3, bias=False, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def _heads(model: Attention) -> tuple[dict[str, torch.Tensor], list]:
+    """``STEPS`` steps of Muon with ``split_heads`` on the same batch: the whole parameters, and the blocks."""
+    routing = route_parameters(model, muon_params=["attn.in_proj_weight", "attn.out_proj.weight"], split_heads=True)
+    muon = Muon(routing.groups("Muon"), lr=0.02, weight_decay=0.1, ns_dtype=torch.float32, normuon_beta2=0.9)
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(STEPS):
+        x = torch.randn(2, 5, 6, generator=generator)
+        model(x).square().mean().backward()
+        muon.step()
+        muon.zero_grad()
+    return _whole(model), [b for g in muon.param_groups for b in g.get("matrix_blocks") or []]
 
 
 @pytest.mark.slow
@@ -200,6 +232,12 @@ def test_blocks_on_sharded_parameters_step_exactly_as_one_process(tmp_path):
     assert ranks[0]["tp"][3] == [(Shard(0),), (Shard(1),)]
     assert len(ranks[0]["2d"][3][0]) == 2  # on both mesh dims
     assert all(r[name][4] > 0 for r in ranks for name in ("tp", "2d"))  # owners' exchange
+    # split_heads (per-head blocks) under FSDP2, as one process
+    heads, blocks = _heads(Attention())
+    assert [2] * 9 in blocks
+    for r in ranks:
+        assert r["heads"][1] == blocks
+        assert all(torch.equal(r["heads"][0][key], p) for key, p in heads.items())
     # weights stored in x out: gathered whole on every rank, as one process
     alone_in_out, _ = _in_out()
     for r in ranks:
