@@ -20,6 +20,10 @@ from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
 from helpers import EndProcessGroup, MuonNet, SaveEveryRank, epoch_checkpoints, muon_factory
 
+#: ``--blocks``: on 2 ranks ``net.4`` (16 rows, 8 a rank) has a block across the shard boundary, ``net.6`` (24 rows)
+#: equal blocks (one stack), the middle one across it.
+BLOCKS = {"net.4.weight": [6, 10], "net.6.weight": [8, 8, 8]}
+
 
 class ShardedNet(MuonNet):
     def configure_model(self) -> None:
@@ -55,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--first-layer-on-muon", action="store_true")
     parser.add_argument("--normuon", action="store_true", help="NorMuon (normuon_beta2=0.95) on the Muon half")
+    parser.add_argument("--blocks", action="store_true", help=f"split two matrices into row blocks: {BLOCKS}")
     args = parser.parse_args(argv)
     syncs = count_reduce_scatters()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -68,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         muon_params=["sometimes.weight", *(["net.0.weight"] if args.first_layer_on_muon else [])],
         adamw_params=["net.8.*"],
         accumulate_grad_batches=args.accumulate,
+        matrix_blocks=BLOCKS if args.blocks else None,
     )
     callbacks = [SaveEveryRank(args.out), EndProcessGroup()] + ([epoch_checkpoints(args.save)] if args.save else [])
     trainer = L.Trainer(

@@ -626,12 +626,14 @@ def test_none_loss_under_ddp_is_refused_rather_than_hanging(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("rule", ["muon", "normuon"])
+@pytest.mark.parametrize("rule", ["muon", "normuon", "normuon-blocks"])
 def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path, rule):
-    """Also with NorMuon: its second moments (whole on every rank) are saved, resumed and converted too."""
+    """Also with NorMuon: its second moments (whole on every rank) are saved, resumed and converted too; and with two
+    matrices split into row blocks (stepped on whole copies on every rank), which resume and convert alike."""
     checkpoint = tmp_path / "checkpoints" / "epoch0.ckpt"  # kept by the uninterrupted run, at its first epoch's end
-    settings = {"normuon_beta2": 0.95} if rule == "normuon" else {}
-    flags = ["--normuon"] if settings else []
+    settings = {"normuon_beta2": 0.95} if rule != "muon" else {}
+    blocks = fsdp2_run.BLOCKS if rule.endswith("-blocks") else None
+    flags = (["--normuon"] if settings else []) + (["--blocks"] if blocks else [])
     run_fsdp2(tmp_path / "straight", "--max-epochs", "2", "--save", str(tmp_path / "checkpoints"), *flags)
     run_fsdp2(tmp_path / "resumed", "--max-epochs", "2", "--ckpt", str(checkpoint), *flags)
     assert checkpoint.is_dir()  # sharded: torch.distributed.checkpoint, not one file
@@ -645,14 +647,16 @@ def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path, rule):
     # On one process the directory is refused, naming the conversion (not a raw IsADirectoryError) ...
     def one_process() -> MuonNet:  # 1 process x batch 8 sees the gradients of 2 ranks x batch 4
         return MuonNet(batch_size=8, muon=muon_factory(**settings), muon_params=["sometimes.weight"],
-                       adamw_params=["net.8.*"])
+                       adamw_params=["net.8.*"], matrix_blocks=blocks)
 
     with pytest.raises(RuntimeError, match=r"is a distributed checkpoint .* reads a single file. Convert it"):
         make_trainer(tmp_path / "one", max_epochs=2).fit(one_process(), ckpt_path=checkpoint)
     # ... and the converted file resumes the run on one process: it ends where the 2-rank run ended.
     main(["convert-checkpoint", str(checkpoint), str(tmp_path / "one.ckpt")])
-    converted = torch.load(tmp_path / "one.ckpt", weights_only=False)["optimizer_states"][0]["state"]
-    assert all((SECOND_MOMENT in state) == bool(settings) for state in converted.values())
+    converted = torch.load(tmp_path / "one.ckpt", weights_only=False)["optimizer_states"][0]
+    assert all((SECOND_MOMENT in state) == bool(settings) for state in converted["state"].values())
+    given = [sizes for group in converted["param_groups"] for sizes in group.get("matrix_blocks") or [] if sizes]
+    assert sorted(given) == sorted((blocks or {}).values())
     model = one_process()
     trainer = make_trainer(tmp_path / "one", max_epochs=2)
     trainer.fit(model, ckpt_path=tmp_path / "one.ckpt")

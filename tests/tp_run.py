@@ -29,6 +29,9 @@ from lightning_muon.optim._dtensor import is_dtensor
 from helpers import EndProcessGroup, epoch_checkpoints, muon_factory
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ = 64, 32, 4, 64, 16
+#: ``--blocks``: ``w1`` (64 rows, colwise: row shards) in two unequal blocks across the shard boundaries, ``wo``
+#: (rowwise: column shards; and row shards in 2-D) in four equal ones, one a head.
+BLOCKS = {"*.w1.weight": [24, 40], "*.wo.weight": [8, 8, 8, 8]}
 
 
 class TinyLM(ParallelGPT):
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ckpt", default=None, help="resume from this checkpoint")
     parser.add_argument("--monitor", action="store_true", help="MuonMonitor every step, into out/metrics.csv")
     parser.add_argument("--normuon", action="store_true", help="NorMuon (normuon_beta2=0.95) on the mixin's Muon")
+    parser.add_argument("--blocks", action="store_true", help=f"the mixin's Muon matrices split as {BLOCKS}")
     parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QKClip(tau) after every update")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -172,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.all_dtensor:
         model = OneOptimizerAllDTensorLM() if args.one_optimizer else MuonAllDTensorLM(muon=muon)
     else:
-        model = OneOptimizerTinyLM() if args.one_optimizer else MuonTinyLM(muon=muon)
+        blocks = {"matrix_blocks": BLOCKS} if args.blocks else {}
+        model = OneOptimizerTinyLM() if args.one_optimizer else MuonTinyLM(muon=muon, **blocks)
     trainer.fit(model, ckpt_path=args.ckpt)
 
 

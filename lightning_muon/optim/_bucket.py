@@ -133,6 +133,13 @@ class Bucket(NamedTuple):
     states: Mapping[str, Sequence[Tensor]] = NO_STATES
     #: The group's settings as the step resolved them; ``None``: resolved when read (`settings`).
     resolved: GroupSettings | None = None
+    #: Where the bucket holds blocks of DTensor parameters, stepped on whole copies gathered on every rank:
+    #: ``(DTensor, its whole copy)`` of each tensor the step changes, each rank's shard of the copy written back into
+    #: the DTensor after the step; empty otherwise.
+    gathered: tuple[tuple[Tensor, Tensor], ...] = ()
+    #: The row blocks of the bucket's one DTensor parameter (its ``matrix_blocks`` entry), stepped whole on an owner
+    #: rank that splits it (the sharded strategy's); ``None``: the bucket's matrices are what Newton-Schulz sees.
+    blocks: tuple[int, ...] | None = None
 
     @property
     def settings(self) -> GroupSettings:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -55,6 +55,7 @@ from lightning_muon.optim._plan import (
     in_bucket_order,
     plan_jobs,
 )
+from lightning_muon.optim.groups import matrices_in, matrix_shape, split_blocks
 from lightning_muon.optim.norms import any_rank
 from lightning_muon.optim.rules import UpdateRule, rules_for
 
@@ -80,6 +81,8 @@ class Strategy(ABC):
     whole_dtensors: ClassVar[bool] = True
     #: Ranks exchange work, so every rank must build the same buckets (`_update.collect_buckets`).
     synced: ClassVar[bool] = False
+    #: A DTensor parameter split into blocks steps on an owner rank (`step_owned_blocks`) where it can.
+    owner_blocks: ClassVar[bool] = False
 
     def __init__(self, description: str, *, fallback: bool = False, complete_state: bool = False) -> None:
         #: Which path the run takes, a clause for the rank-zero line of `_choice.choose_strategy`.
@@ -110,7 +113,7 @@ class Strategy(ABC):
             has_grad = self.agree(has_grad, every[0].device)
         return _update.collect_buckets(
             param_groups, state, has_grad, whole_dtensors=self.whole_dtensors, synced=self.synced, named=named,
-            complete=self.complete_state,
+            complete=self.complete_state, owner_blocks=self.owner_blocks and not named,
         )
 
     @abstractmethod
@@ -128,19 +131,27 @@ class LocalStep(Strategy):
         super().__init__(description, fallback=fallback, complete_state=complete_state)
 
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
-        diagnostics: list[ParamDiagnostics] = []
         self.ns_flops = sum(bucket.flops for bucket in buckets)
-        # Call by call (a bucket, or one with its transposed twin: `ns_batches`), so a matrix's buffer and
-        # gradient are still in cache for its whole update (on CPU, sweeping every buffer first and
-        # orthogonalising afterwards measured slower).
-        for batch in _update.ns_batches(buckets):
-            chosen = [buckets[j] for j in batch]
-            results = _update.orthogonalise_buckets(chosen, [_update.momentum(b) for b in chosen])
-            for bucket, orthogonal in zip(chosen, results, strict=True):
-                _update.apply(bucket, orthogonal)
-                if diagnose is not None:
-                    diagnostics += _update.record(bucket, orthogonal, diagnose)
-        return diagnostics
+        return step_here(buckets, diagnose)
+
+
+def step_here(buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
+    """Every bucket orthogonalised and applied on this rank; blocks of DTensor parameters stepped on their whole
+    copies (`_update.gather_whole`) and each rank's shard written back. The diagnostics ``diagnose`` chooses."""
+    diagnostics: list[ParamDiagnostics] = []
+    chooser = None if diagnose is None else _update.whole_chooser(buckets, diagnose)
+    # Call by call (a bucket, or one with its transposed twin: `ns_batches`), so a matrix's buffer and
+    # gradient are still in cache for its whole update (on CPU, sweeping every buffer first and
+    # orthogonalising afterwards measured slower).
+    for batch in _update.ns_batches(buckets):
+        chosen = [buckets[j] for j in batch]
+        results = _update.orthogonalise_buckets(chosen, [_update.momentum(b) for b in chosen])
+        for bucket, orthogonal in zip(chosen, results, strict=True):
+            _update.apply(bucket, orthogonal)
+            if chooser is not None:
+                diagnostics += _update.record(bucket, orthogonal, chooser)
+    _update.write_back(buckets)
+    return diagnostics
 
 
 class DistributedStep(Strategy):
@@ -235,6 +246,7 @@ class ShardedStep(DistributedStep):
 
     kind = "sharded"
     whole_dtensors = False
+    owner_blocks = True
 
     def __init__(self, world: World, *, round_bytes: int = EXCHANGE_ROUND_BYTES, columns: bool = False) -> None:
         where, what = f"{world.size} ranks", "tensor-parallel" if columns else "FSDP2"
@@ -263,6 +275,20 @@ class ShardedStep(DistributedStep):
     def run(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
         self.exchanged_bytes = self.buffers.largest = 0
         self.rounds = self.largest_buffer = self.ns_flops = 0
+        # DTensor parameters split into blocks: each on an owner rank, which splits it (`step_owned_blocks`); or
+        # (plain buckets of whole copies) on every rank, as on one process.
+        owned = [bucket for bucket in buckets if bucket.blocks]
+        for chunk in _chunks(owned, self.round_bytes * self.world.size):  # rounds: about round_bytes a rank
+            sent, flops = step_owned_blocks(chunk, self.world)
+            self.exchanged_bytes, self.ns_flops = self.exchanged_bytes + sent, self.ns_flops + flops
+        gathered = [bucket for bucket in buckets if bucket.gathered]
+        self.ns_flops += sum(bucket.flops for bucket in gathered)
+        diagnostics = step_here(gathered, diagnose) if gathered else []
+        rest = [bucket for bucket in buckets if not (bucket.gathered or bucket.blocks)]
+        return self._run_sharded(rest, diagnose) + diagnostics
+
+    def _run_sharded(self, buckets: Sequence[Bucket], diagnose: Chooser | None) -> list[ParamDiagnostics]:
+        """`run` of the buckets of DTensors: the owner exchange."""
         if not buckets:  # the same on every rank: which parameters have gradients was agreed
             return []
         # The local shards (views: in-place updates reach the DTensors) do all the elementwise work.
@@ -352,6 +378,127 @@ class ShardedStep(DistributedStep):
                     start += math.prod(shape)
                 statistics.setdefault(rule.key, {})[jobs[j].bucket, i] = tuple(got)
         return statistics
+
+
+def step_owned_blocks(buckets: Sequence[Bucket], world: World) -> tuple[int, int]:
+    """Step DTensor parameters split into blocks (`Bucket.blocks`, one a bucket, ``"flatten"`` layout) on owner
+    ranks, exactly as one process steps their blocks: every rank advances its shard's momentum and sends it to the
+    parameter's owner; the owner splits the whole update into its blocks (equal ones as one stack), orthogonalises
+    them and runs the group's rules on them (their state plain, whole on every rank: the owner's shared after by one
+    all-reduce); every rank gets its part of the result back and applies it block by block, each with its own lr.
+    Returns the bytes this rank sent and the Newton-Schulz FLOPs it ran."""
+    loads, owners = [0] * world.size, []
+    for bucket in buckets:  # the same on every rank: the fewest FLOPs so far, counted block by block
+        owners.append(min(range(world.size), key=lambda r: (loads[r], r)))
+        n = bucket.shape[1]
+        loads[owners[-1]] += sum(bucket._replace(shape=(size, n)).flops for size in bucket.blocks or ())
+    local = [bucket.local() for bucket in buckets]
+    updates = [[_update.momentum(part)[0]] for part in local]
+    sending = [bucket.exchange_layout for bucket in buckets]
+    whole = gather_to_owners(updates, owners, sending, world)
+    returning = [layout._replace(dtype=_ruled_dtype(bucket)) for bucket, layout in zip(buckets, sending, strict=True)]
+    results = {j: _owner_update(buckets[j], stack[0]).to(returning[j].dtype).unsqueeze(0)
+               for j, stack in whole.items()}
+    _share_rule_state(buckets, owners, world)
+    device = local[0].params[0].device
+    mine = scatter_from_owners(results, owners, returning, world, device)
+    for j, (bucket, part) in enumerate(zip(buckets, local, strict=True)):
+        _apply_blocks(bucket, part, mine[j][0], returning[j].parts(0, world.size)[world.rank][0])
+    sent = sum(u[0].numel() * layout.dtype.itemsize for u, layout in zip(updates, sending, strict=True))
+    sent += sum(r.numel() * r.element_size() for r in results.values())
+    return sent, loads[world.rank]
+
+
+def _chunks(buckets: Sequence[Bucket], limit: int) -> list[list[Bucket]]:
+    """``buckets`` in order, cut into runs of at most ``limit`` bytes of whole updates (`Bucket.exchange_layout`;
+    a larger bucket alone)."""
+    chunks: list[list[Bucket]] = []
+    used = limit
+    for bucket in buckets:
+        nbytes = bucket.exchange_layout.nbytes
+        if used + nbytes > limit:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(bucket)
+        used += nbytes
+    return chunks
+
+
+def _ruled_dtype(bucket: Bucket) -> torch.dtype:
+    """The dtype an owner's update travels back in: float32 where a rule changes the update (a rule's float32
+    result travels exactly), the Newton-Schulz dtype where none does (as one process applies it)."""
+    changed = any(type(rule).update is not UpdateRule.update for rule in rules_for(bucket.group))
+    return torch.float32 if changed else bucket.settings.ns_dtype
+
+
+def _block_bucket(bucket: Bucket, tensors: Sequence[Tensor], states: Mapping[str, Sequence[Tensor]]) -> list[Bucket]:
+    """The one-process buckets of a parameter's blocks, from whole ``tensors`` shaped as the parameter (the update in
+    the params', grads' and buffers' places) and its rules' whole state: equal blocks as one stack, else each
+    block its own bucket."""
+    sizes, keys = list(bucket.blocks or ()), list(states)
+    whole = [*tensors, *(states[key][0] for key in keys)]
+    stack = None if bucket.settings.exact else _update.equal_blocks_as_stack(whole, "flatten", sizes)
+    pieces: list[Sequence[Tensor]]
+    if stack is not None:
+        layout, pieces = "stack", [stack]
+    else:
+        layout, pieces = "flatten", list(zip(*(split_blocks(t, "flatten", sizes) for t in whole), strict=True))
+    blocks = []
+    for piece in pieces:
+        shape = tuple(piece[0].shape)
+        blocks.append(bucket._replace(
+            params=[piece[0]], grads=[piece[1]], bufs=[piece[2]], shape=matrix_shape(shape, layout), layout=layout,
+            per_param=matrices_in(shape, layout), states={key: [t] for key, t in zip(keys, piece[3:], strict=True)},
+            blocks=None,
+        ))
+    return blocks
+
+
+def _owner_update(bucket: Bucket, update: Tensor) -> Tensor:
+    """On the owner: the whole update ``(rows, cols)`` split into the parameter's blocks, each orthogonalised and
+    changed by the group's rules as one process's would be, put together again as ``(rows, cols)``."""
+    shaped = update.reshape(bucket.params[0].shape)
+    results = []
+    for block in _block_bucket(bucket, [shaped] * 3, bucket.states):
+        stack = block.params[0].reshape(-1, *block.shape)
+        orthogonal = list(_update.orthogonalise(block.settings, stack).unbind(0))
+        if block.per_param > 1:
+            orthogonal = [torch.stack(orthogonal)]
+        ruled = _update.rule_updates(block, orthogonal, rules_for(block.group))
+        results.append(ruled[0].reshape(-1, update.shape[-1]))
+    return torch.cat(results)
+
+
+def _share_rule_state(buckets: Sequence[Bucket], owners: Sequence[int], world: World) -> None:
+    """Every rank takes the rules' state its owner advanced (plain tensors, whole on every rank): one all-reduce to
+    which the other ranks add zeros (exact)."""
+    by_dtype: dict[torch.dtype, list[tuple[Tensor, bool]]] = {}
+    for j, bucket in enumerate(buckets):
+        for tensors in bucket.states.values():
+            for t in tensors:
+                by_dtype.setdefault(t.dtype, []).append((t, owners[j] == world.rank))
+    for states in by_dtype.values():  # one all-reduce a dtype
+        flat = torch.cat([(t if owned else torch.zeros_like(t)).flatten() for t, owned in states])
+        dist.all_reduce(flat, group=world.group)
+        start = 0
+        for t, _ in states:
+            t.copy_(flat[start : start + t.numel()].view(t.shape))
+            start += t.numel()
+
+
+def _apply_blocks(bucket: Bucket, part: Bucket, update: Tensor, rows: slice) -> None:
+    """Apply this rank's part of a parameter's whole update (``update``: its ``rows`` of the whole matrix, and the
+    columns it holds) block by block, each block's rows with that block's lr, as one process applies them."""
+    param = part.params[0].view(update.shape)
+    start, first = 0, rows.start or 0
+    for size in bucket.blocks or ():
+        low, high = max(start, first) - first, min(start + size, first + len(update)) - first
+        start += size
+        if high <= low:
+            continue
+        block = bucket._replace(params=[param[low:high]], shape=(size, update.shape[1]), layout="flatten",
+                                per_param=1, states={}, blocks=None)
+        _update.apply(block, [update[low:high]], ruled=True)
 
 
 def _chosen_rows(buckets: Sequence[Bucket], diagnose: Chooser) -> dict[tuple[int, int], int]:

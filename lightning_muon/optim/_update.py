@@ -65,8 +65,9 @@ def bucket_indices(
         grad_dtype = p.grad.dtype if p.grad is not None and not synced else p.dtype
         # A stack's matrices count too: same-shape stacks only (a flattened shape suffices otherwise).
         shape = tuple(p.shape) if layout in STACKED else matrix_shape(p.shape)
-        key = (shape, layout, p.dtype, grad_dtype, p.device)
-        same[(*key, k) if whole_dtensors and is_dtensor(p) else key].append(k)
+        sharded = is_dtensor(p)  # a DTensor never shares a bucket with a plain tensor (a gathered block's)
+        key = (shape, layout, p.dtype, grad_dtype, p.device, sharded)
+        same[(*key, k) if whole_dtensors and sharded else key].append(k)
     buckets: list[list[int]] = []
     itemsize = settings.ns_dtype.itemsize
     for (shape, _, _, _, device, *_), ks in same.items():
@@ -91,6 +92,7 @@ def collect_buckets(
     synced: bool,
     named: bool,
     complete: bool = False,
+    owner_blocks: bool = False,
 ) -> list[Bucket]:
     """The buckets of one step, over the parameters flagged in ``has_grad`` (in param-group order).
 
@@ -98,10 +100,16 @@ def collect_buckets(
     buffers and the group's update rules' state are created in ``state`` (the optimizer's) on first use, for
     every parameter with ``complete`` (`init_state`). ``named`` fills in the parameter names (for diagnostics).
     Each group's settings are resolved here, once a step (`settings_of`), and handed down with its buckets.
+
+    A DTensor parameter split into blocks (``matrix_blocks``) steps on whole copies (`gather_whole`): its blocks are
+    the one-process ones, in plain-tensor buckets that carry the copies to write back (`Bucket.gathered`,
+    `write_back`). With ``owner_blocks`` (the sharded strategy, no diagnostics), one flattened (`owns_blocks`) is a
+    bucket of its own instead, whole, with its blocks (`Bucket.blocks`), for an owner rank to split.
     """
     buckets, index = [], 0
     for group in param_groups:
         params, grads, bufs, names, layouts = [], [], [], [], []
+        backs: list[tuple[tuple[Tensor, Tensor], ...]] = []  # per block: the whole copies its step writes back
         rules, settings = rules_for(group), settings_of(group)
         keys = [key for rule in rules for key in rule.state_keys]
         states: dict[str, list[Tensor]] = {key: [] for key in keys}
@@ -119,6 +127,14 @@ def collect_buckets(
             # its momentum buffer and the rules' state (which stay whole in the optimizer state); equal blocks as one
             # stack of them (off the exact path).
             whole = [p, grad, state[p][MOMENTUM_BUFFER], *(state[p][key] for key in keys)]
+            back: tuple[tuple[Tensor, Tensor], ...] = ()
+            if owner_blocks and sizes is not None and owns_blocks(whole, layout):
+                owned = {key: [t] for key, t in zip(keys, whole[3:], strict=True)}
+                buckets.append(Bucket(group, [p], [whole[1]], [whole[2]], [name], matrix_shape(p.shape), layout, 1,
+                                      owned, settings, (), tuple(sizes)))
+                continue
+            if sizes is not None and is_dtensor(p):
+                whole, back = gather_whole(whole)
             stack = None if settings.exact else equal_blocks_as_stack(whole, layout, sizes)
             split = [stack] if stack is not None else zip(*(split_blocks(t, layout, sizes) for t in whole), strict=True)
             for k, pieces in enumerate(split):
@@ -129,14 +145,64 @@ def collect_buckets(
                     states[key].append(piece)
                 names.append(f"{name}[{k}]" if named and sizes and stack is None else name)
                 layouts.append("stack" if stack is not None else layout)
+                backs.append(back)
         index += len(group["params"])
         for ks in bucket_indices(settings, params, whole_dtensors=whole_dtensors, synced=synced, layouts=layouts):
             pick = [params[k] for k in ks], [grads[k] for k in ks], [bufs[k] for k in ks], [names[k] for k in ks]
             layout, shape = layouts[ks[0]], params[ks[0]].shape
             picked = {key: [tensors[k] for k in ks] for key, tensors in states.items()}
             matrices = matrix_shape(shape, layout), layout, matrices_in(shape, layout)
-            buckets.append(Bucket(group, *pick, *matrices, picked, settings))
+            gathered = tuple({id(pair[0]): pair for k in ks for pair in backs[k]}.values())
+            buckets.append(Bucket(group, *pick, *matrices, picked, settings, gathered))
     return buckets
+
+
+def owns_blocks(tensors: Sequence[Tensor], layout: str) -> bool:
+    """Whether a parameter split into blocks can step on an owner rank (the sharded strategy's): a DTensor of the
+    ``"flatten"`` layout whose rules' state (``tensors[3:]``, after the parameter, gradient and momentum buffer) is
+    plain tensors, whole on every rank. Others are gathered whole on every rank (`gather_whole`)."""
+    return layout == "flatten" and is_dtensor(tensors[0]) and not any(is_dtensor(t) for t in tensors[3:])
+
+
+def gather_whole(tensors: Sequence[Tensor]) -> tuple[list[Tensor], tuple[tuple[Tensor, Tensor], ...]]:
+    """A DTensor parameter's step tensors (the parameter, its gradient, momentum buffer and the rules' state) as
+    whole plain copies, gathered on every rank (``full_tensor``), so that its blocks step exactly as on one process;
+    with ``(DTensor, whole copy)`` of each tensor the step changes (all but the gradient), for `write_back`. A rule's
+    plain state (one value per neuron, whole on every rank) is used as it is."""
+    wholes, back = [], []
+    for j, t in enumerate(tensors):
+        if not is_dtensor(t):
+            wholes.append(t)
+            continue
+        full = cast("DTensor", t).full_tensor()
+        full = full.clone() if full._base is not None else full  # its own base: its blocks' ``_base`` (diagnostics)
+        wholes.append(full)
+        if j != 1:
+            back.append((t, full))
+    return wholes, tuple(back)
+
+
+def write_back(buckets: Sequence[Bucket]) -> None:
+    """Each rank's shard of the whole copies a step changed (`gather_whole`) into its DTensors, once each."""
+    from torch.distributed.tensor import distribute_tensor
+
+    done: set[int] = set()
+    for bucket in buckets:
+        for target, full in bucket.gathered:
+            if id(target) not in done:
+                done.add(id(target))
+                placed = cast("DTensor", target)
+                shard = distribute_tensor(full, placed.device_mesh, placed.placements, src_data_rank=None)
+                placed.to_local().copy_(shard.to_local())
+
+
+def whole_chooser(buckets: Sequence[Bucket], diagnose: Chooser) -> Chooser:
+    """``diagnose`` for the whole copies of gathered parameters too (`gather_whole`): a copy is chosen with its
+    DTensor."""
+    origin = {id(full): target for bucket in buckets for target, full in bucket.gathered}
+    if not origin:
+        return diagnose
+    return lambda t: diagnose(origin.get(id(t), t))
 
 
 def equal_blocks_as_stack(tensors: Sequence[Tensor], layout: str, sizes: Sequence[int] | None) -> list[Tensor] | None:

@@ -13,8 +13,9 @@ dict can move between the two for 2D parameters. Beyond it:
 - a fused projection (``qkv``, ``gate_up_proj``, an LSTM's gates) or a grouped convolution's kernel (its groups)
   orthogonalised per block: a param group's ``matrix_blocks`` (one entry per parameter: ``None``, or the sizes of
   its row blocks along the output dim) steps each block exactly as a separate parameter holding it would (its own
-  Newton-Schulz, its own lr scale); the momentum buffer stays whole. Not on DTensor parameters (FSDP2, tensor
-  parallelism): refused;
+  Newton-Schulz, its own lr scale); the momentum buffer stays whole. On DTensor parameters (FSDP2, HSDP, tensor
+  parallelism) such a parameter goes whole to an owner rank that splits it (or, for the other layouts, is gathered
+  whole on every rank), the same bits as one process;
 - matrices of the same shape are orthogonalised together in one batched call
   (up to ``ns_batch_bytes`` per call), and the elementwise work uses
   ``torch._foreach_*`` kernels;
@@ -48,7 +49,7 @@ from torch.optim import Optimizer
 from lightning_muon.optim import _precision, groups
 from lightning_muon.optim._bucket import Chooser, ParamDiagnostics
 from lightning_muon.optim._choice import StrategyChoice, StrategyInfo
-from lightning_muon.optim._dtensor import fsdp1_flattened, is_dtensor
+from lightning_muon.optim._dtensor import fsdp1_flattened
 from lightning_muon.optim._given import GivenShapes
 from lightning_muon.optim._strategies import EXCHANGE_ROUND_BYTES
 from lightning_muon.optim.defaults import DEFAULT_GRAM_ASPECT, MUON_CLASS
@@ -214,13 +215,6 @@ def _block_refusal(p: Tensor, layout: str, sizes: Any) -> str | None:
         return (
             f"its matrix_blocks {sizes!r} must be positive block sizes that add up to its {rows} output rows "
             f"(dim {groups.block_dim(layout)} for the layout {layout!r})."
-        )
-    if is_dtensor(p):
-        return (
-            "a parameter split into row blocks (matrix_blocks: a fused projection's blocks, a grouped convolution's "
-            "groups) is not supported on a sharded (DTensor) parameter under FSDP2 or tensor parallelism; leave it "
-            "whole (its matrix_blocks None: route_parameters' or the mixin's matrix_blocks={'<its name>': None}, "
-            "which orthogonalises a grouped convolution across its groups), or put it on AdamW (adamw_params)."
         )
     return None
 

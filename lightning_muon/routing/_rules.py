@@ -433,13 +433,13 @@ def route_parameters(
             attention), a fused qkv first by projection (it implies ``split_fused`` there). The heads are read from
             the model (transformers' and litgpt's configs, ``nn.MultiheadAttention``, a ``qk_layout()`` method),
             never guessed. The output projection stays whole: its heads are its input columns, not its rows. Off by
-            default, not yet measured; on sharded parameters it follows blocks' support.
+            default, not yet measured; on sharded parameters (FSDP2, tensor parallelism) as on one process.
 
     Fused projections (``nn.MultiheadAttention``'s ``in_proj_weight``, GPT-2's ``c_attn``, litgpt's ``qkv``,
     transformers' fused MoE ``gate_up_proj``) are found by module type and shape and named in the reason. With
     ``split_fused`` each of their blocks is orthogonalised and lr-scaled as a separate layer's would be (the
-    Muon group's ``matrix_blocks``); by default they stay one matrix, as before: FSDP2 and tensor parallelism
-    cannot split yet (the split measured better on GPT-style q, k, v: docs/guides/routing.md). The gates
+    Muon group's ``matrix_blocks``); by default they stay one matrix, as before (the split measured better on
+    GPT-style q, k, v: docs/guides/routing.md). The gates
     ``nn.LSTM`` and ``nn.GRU`` (and their cells) stack in the rows of every ``weight_ih``/``weight_hh`` are split
     by default, measured better than fused (``benchmarks/torch_layers.py``;
     kept whole under ``torch.optim.Muon``, ``muon_nd=False``, which cannot split).

@@ -79,23 +79,27 @@ def test_bad_blocks_are_refused_with_the_fix(group, pattern):
         Muon([group])
 
 
-def test_blocks_on_a_sharded_parameter_are_refused(tmp_path):
-    """Under FSDP2 or tensor parallelism (DTensor parameters) a block would cut across the shards: refused, with
-    the fix, at the optimizer's construction (a one-rank mesh on CPU)."""
+def test_blocks_on_a_sharded_parameter_step_as_one_process(tmp_path):
+    """Under FSDP2 or tensor parallelism (DTensor parameters) a parameter split into blocks is taken (it was refused
+    before) and steps on its whole copy exactly as on one process, momentum sharded like the parameter (a one-rank
+    mesh on CPU; two ranks: tests/optim/test_blocks_sharded.py)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        p = torch.nn.Parameter(distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))
-        refused = (r"a grouped convolution's groups\) is not supported on a sharded \(DTensor\) parameter under "
-                   r"FSDP2 or tensor parallelism; leave it whole \(its matrix_blocks None: route_parameters' or the "
-                   r"mixin's matrix_blocks=\{'<its name>': None\}")
-        with pytest.raises(ValueError, match=refused):
-            Muon([{"params": [p], "matrix_blocks": [[3, 3]]}])
-        Muon([{"params": [p], "matrix_blocks": [None]}])  # fused: as before
+        start, grad = torch.randn(6, 4), torch.randn(6, 4)
+        p = torch.nn.Parameter(distribute_tensor(start.clone(), mesh, [Shard(0)]))
+        q = torch.nn.Parameter(start.clone())
+        opts = [Muon([{"params": [w], "matrix_blocks": [[4, 2]]}], lr=0.02, ns_dtype=torch.float32) for w in (p, q)]
+        p.grad, q.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)]), grad.clone()
+        for opt in opts:
+            opt.step()
+        assert torch.equal(p.full_tensor(), q.detach())
+        assert isinstance(opts[0].state[p]["momentum_buffer"], DTensor)
+        assert not torch.equal(q.detach(), start)
     finally:
         dist.destroy_process_group()
 
