@@ -523,6 +523,26 @@ def test_fsdp2_two_ranks_equal_one_process(fsdp2_and_one_process):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_fsdp2_split_heads_on_the_shipped_gpt_equals_one_process(tmp_path):
+    """The shipped GPT (`fsdp2_run.HeadsGPT`: ``gpt_muon_fsdp2.yaml``'s model and sharding) with ``split_heads``:
+    each fused ``qkv`` (96 rows, 48 a rank) stepped as 12 heads of 8 rows under FSDP2, as one process does, and
+    the routing table the 2-rank fit printed names the split."""
+    fsdp2_run.main([str(tmp_path / "one"), "--heads", "--devices", "1", "--max-steps", "4", "--batch-size", "8"])
+    single = torch.load(tmp_path / "one" / "rank0.pt")
+    rank0, rank1 = run_fsdp2(tmp_path / "fsdp2", "--heads", "--max-steps", "4")
+    assert rank0["world"] == 2 and rank0["exchange_bytes"] + rank1["exchange_bytes"] > 0  # the owner path ran
+    for name, p in single["params"].items():
+        assert torch.equal(rank0["params"][name], rank1["params"][name]), name
+        torch.testing.assert_close(rank0["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
+    table = (tmp_path / "fsdp2" / "said.txt").read_text()
+    split = [line for line in table.splitlines() if "attn.qkv.weight" in line]
+    assert len(split) == 2 and all("split by projection, then per head: 4" in line for line in split), table
+    heads = {f"blocks.{i}.attn.qkv.weight": [8] * 12 for i in range(2)}
+    assert [torch.load(tmp_path / "fsdp2" / f"blocks{r}.pt") for r in range(2)] == [heads, heads]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_accumulation_reduces_gradients_only_on_the_last_micro_batch(tmp_path, fsdp2_and_one_process):
     plain, single = fsdp2_and_one_process  # batch 4 a rank, no accumulation
     accumulated = run_fsdp2(tmp_path / "accumulated", "--max-steps", "4", "--batch-size", "2", "--accumulate", "2",
