@@ -123,6 +123,21 @@ def test_two_dimensional_data_and_tensor_parallel_trains_as_one_process(tmp_path
     assert_split(single, ranks)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_split_heads_under_tensor_parallelism_trains_as_one_process(tmp_path):
+    """``split_heads=True`` on the shipped parallel GPT: its colwise ``wq``, ``wk``, ``wv`` (4 heads of 8 rows,
+    row shards of 16: each TP rank holds 2 of the heads) are each stepped as 4 blocks, one a head, on their owner
+    rank, as one process steps them; ``wo`` (rowwise: its heads are its input columns) stays whole."""
+    (single,) = run(tmp_path / "one", 1, "--split-heads")
+    heads = {f"blocks.{i}.{w}.weight": [8] * 4 for i in range(2) for w in ("wq", "wk", "wv")}
+    assert single["blocks"] == heads
+    ranks = run(tmp_path / "tp", 2, "--split-heads")
+    assert [r["blocks"] for r in ranks] == [heads, heads]
+    assert_as_one_process(single, ranks)
+    assert_split(single, ranks)
+
+
 @pytest.mark.distributed
 def test_every_parameter_a_dtensor_trains_as_one_process(tmp_path):
     """The plan with the embeddings, head and norms on the tensor-parallel mesh too (every parameter a DTensor),
