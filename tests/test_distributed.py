@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.multiprocessing.spawn import ProcessRaisedException
 
-from lightning_muon import Muon
+from lightning_muon import Muon, MuonMixin
 from lightning_muon.commands.cli import main
 from lightning_muon.optim import _strategies
 from lightning_muon.optim._dtensor import is_dtensor
@@ -646,14 +646,16 @@ def test_none_loss_under_ddp_is_refused_rather_than_hanging(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("rule", ["muon", "normuon", "normuon-blocks"])
+@pytest.mark.parametrize("rule", ["muon", "normuon", "normuon-blocks", "heads"])
 def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path, rule):
     """Also with NorMuon: its second moments (whole on every rank) are saved, resumed and converted too; and with two
-    matrices split into row blocks (stepped on whole copies on every rank), which resume and convert alike."""
+    matrices split into row blocks (stepped on whole copies on every rank), which resume and convert alike; and the
+    shipped GPT with ``split_heads`` (`fsdp2_run.HeadsGPT`), its per-head blocks in the converted param groups."""
     checkpoint = tmp_path / "checkpoints" / "epoch0.ckpt"  # kept by the uninterrupted run, at its first epoch's end
-    settings = {"normuon_beta2": 0.95} if rule != "muon" else {}
+    settings = {"normuon_beta2": 0.95} if rule.startswith("normuon") else {}
     blocks = fsdp2_run.BLOCKS if rule.endswith("-blocks") else None
-    flags = (["--normuon"] if settings else []) + (["--blocks"] if blocks else [])
+    heads = {f"blocks.{i}.attn.qkv.weight": [8] * 12 for i in range(2)} if rule == "heads" else None
+    flags = (["--normuon"] if settings else []) + (["--blocks"] if blocks else []) + (["--heads"] if heads else [])
     run_fsdp2(tmp_path / "straight", "--max-epochs", "2", "--save", str(tmp_path / "checkpoints"), *flags)
     run_fsdp2(tmp_path / "resumed", "--max-epochs", "2", "--ckpt", str(checkpoint), *flags)
     assert checkpoint.is_dir()  # sharded: torch.distributed.checkpoint, not one file
@@ -665,7 +667,9 @@ def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path, rule):
         for got, expected in zip(resumed["second_moments"], straight["second_moments"], strict=True):
             assert (got is None) == (not settings) and (got is None or torch.equal(got, expected))
     # On one process the directory is refused, naming the conversion (not a raw IsADirectoryError) ...
-    def one_process() -> MuonNet:  # 1 process x batch 8 sees the gradients of 2 ranks x batch 4
+    def one_process() -> MuonMixin:  # 1 process x batch 8 sees the gradients of 2 ranks x batch 4
+        if heads:
+            return fsdp2_run.HeadsGPT(batch_size=8, muon=muon_factory(**settings))
         return MuonNet(batch_size=8, muon=muon_factory(**settings), muon_params=["sometimes.weight"],
                        adamw_params=["net.8.*"], matrix_blocks=blocks)
 
@@ -676,7 +680,7 @@ def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path, rule):
     converted = torch.load(tmp_path / "one.ckpt", weights_only=False)["optimizer_states"][0]
     assert all((SECOND_MOMENT in state) == bool(settings) for state in converted["state"].values())
     given = [sizes for group in converted["param_groups"] for sizes in group.get("matrix_blocks") or [] if sizes]
-    assert sorted(given) == sorted((blocks or {}).values())
+    assert sorted(given) == sorted((blocks or heads or {}).values())
     model = one_process()
     trainer = make_trainer(tmp_path / "one", max_epochs=2)
     trainer.fit(model, ckpt_path=tmp_path / "one.ckpt")
