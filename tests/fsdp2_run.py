@@ -43,8 +43,9 @@ class ShardedNet(MuonNet):
 
 class HeadsGPT(MuonMixin, GPT):
     """The shipped GPT (`lightning_muon.examples.char_gpt.CharGPT`'s model, FSDP2 by its own ``configure_model``:
-    each block, then the whole) at a tiny size, with ``split_heads=True``: each block's fused ``qkv`` (32 x 3 rows)
-    split by projection, then into its 4 heads of 8 rows, rows a rank's shard of 48 cuts through the v heads' first.
+    each block, then the whole) at a tiny size, with ``split_heads=True``: each block's fused ``qkv`` (3 x 24 rows)
+    split by projection, then into its 3 heads of 8 rows; the 2 ranks' shards of 36 rows meet inside a head (the
+    second key head, rows 32-39).
     Built from seed 0 whatever the global seed; on 32 windows of random bytes, read in order, each of 2 ranks every
     other one (`sine_regression_loader`'s sharding): 2 ranks x ``batch_size`` see one process's batch of twice
     that."""
@@ -52,7 +53,7 @@ class HeadsGPT(MuonMixin, GPT):
     def __init__(self, batch_size: int = 4, **settings) -> None:
         with torch.random.fork_rng():
             torch.manual_seed(0)
-            super().__init__(n_layer=2, n_head=4, n_embd=32, block_size=16, split_heads=True, **settings)
+            super().__init__(n_layer=2, n_head=3, n_embd=24, block_size=16, split_heads=True, **settings)
         self.batch_size = batch_size
 
     def train_dataloader(self) -> DataLoader:

@@ -525,8 +525,8 @@ def test_fsdp2_two_ranks_equal_one_process(fsdp2_and_one_process):
 @pytest.mark.distributed
 def test_fsdp2_split_heads_on_the_shipped_gpt_equals_one_process(tmp_path):
     """The shipped GPT (`fsdp2_run.HeadsGPT`: ``gpt_muon_fsdp2.yaml``'s model and sharding) with ``split_heads``:
-    each fused ``qkv`` (96 rows, 48 a rank) stepped as 12 heads of 8 rows under FSDP2, as one process does, and
-    the routing table the 2-rank fit printed names the split."""
+    each fused ``qkv`` (72 rows, 36 a rank: a key head across the shard boundary) stepped as 9 heads of 8 rows under
+    FSDP2, as one process does, and the routing table the 2-rank fit printed names the split."""
     fsdp2_run.main([str(tmp_path / "one"), "--heads", "--devices", "1", "--max-steps", "4", "--batch-size", "8"])
     single = torch.load(tmp_path / "one" / "rank0.pt")
     rank0, rank1 = run_fsdp2(tmp_path / "fsdp2", "--heads", "--max-steps", "4")
@@ -536,8 +536,8 @@ def test_fsdp2_split_heads_on_the_shipped_gpt_equals_one_process(tmp_path):
         torch.testing.assert_close(rank0["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
     table = (tmp_path / "fsdp2" / "said.txt").read_text()
     split = [line for line in table.splitlines() if "attn.qkv.weight" in line]
-    assert len(split) == 2 and all("split by projection, then per head: 4" in line for line in split), table
-    heads = {f"blocks.{i}.attn.qkv.weight": [8] * 12 for i in range(2)}
+    assert len(split) == 2 and all("split by projection, then per head: 3" in line for line in split), table
+    heads = {f"blocks.{i}.attn.qkv.weight": [8] * 9 for i in range(2)}
     assert [torch.load(tmp_path / "fsdp2" / f"blocks{r}.pt") for r in range(2)] == [heads, heads]
 
 
@@ -654,7 +654,7 @@ def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path, rule):
     checkpoint = tmp_path / "checkpoints" / "epoch0.ckpt"  # kept by the uninterrupted run, at its first epoch's end
     settings = {"normuon_beta2": 0.95} if rule.startswith("normuon") else {}
     blocks = fsdp2_run.BLOCKS if rule.endswith("-blocks") else None
-    heads = {f"blocks.{i}.attn.qkv.weight": [8] * 12 for i in range(2)} if rule == "heads" else None
+    heads = {f"blocks.{i}.attn.qkv.weight": [8] * 9 for i in range(2)} if rule == "heads" else None
     flags = (["--normuon"] if settings else []) + (["--blocks"] if blocks else []) + (["--heads"] if heads else [])
     run_fsdp2(tmp_path / "straight", "--max-epochs", "2", "--save", str(tmp_path / "checkpoints"), *flags)
     run_fsdp2(tmp_path / "resumed", "--max-epochs", "2", "--ckpt", str(checkpoint), *flags)
