@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.multiprocessing.spawn import ProcessRaisedException
 
-from lightning_muon import Muon
+from lightning_muon import Muon, MuonMixin
 from lightning_muon.commands.cli import main
 from lightning_muon.optim import _strategies
 from lightning_muon.optim._dtensor import is_dtensor
@@ -523,6 +523,26 @@ def test_fsdp2_two_ranks_equal_one_process(fsdp2_and_one_process):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_fsdp2_split_heads_on_the_shipped_gpt_equals_one_process(tmp_path):
+    """The shipped GPT (`fsdp2_run.HeadsGPT`: ``gpt_muon_fsdp2.yaml``'s model and sharding) with ``split_heads``:
+    each fused ``qkv`` (72 rows, 36 a rank: a key head across the shard boundary) stepped as 9 heads of 8 rows under
+    FSDP2, as one process does, and the routing table the 2-rank fit printed names the split."""
+    fsdp2_run.main([str(tmp_path / "one"), "--heads", "--devices", "1", "--max-steps", "4", "--batch-size", "8"])
+    single = torch.load(tmp_path / "one" / "rank0.pt")
+    rank0, rank1 = run_fsdp2(tmp_path / "fsdp2", "--heads", "--max-steps", "4")
+    assert rank0["world"] == 2 and rank0["exchange_bytes"] + rank1["exchange_bytes"] > 0  # the owner path ran
+    for name, p in single["params"].items():
+        assert torch.equal(rank0["params"][name], rank1["params"][name]), name
+        torch.testing.assert_close(rank0["params"][name], p, atol=TOLERANCE, rtol=0, msg=name)
+    table = (tmp_path / "fsdp2" / "said.txt").read_text()
+    split = [line for line in table.splitlines() if "attn.qkv.weight" in line]
+    assert len(split) == 2 and all("split by projection, then per head: 3" in line for line in split), table
+    heads = {f"blocks.{i}.attn.qkv.weight": [8] * 9 for i in range(2)}
+    assert [torch.load(tmp_path / "fsdp2" / f"blocks{r}.pt") for r in range(2)] == [heads, heads]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_fsdp2_accumulation_reduces_gradients_only_on_the_last_micro_batch(tmp_path, fsdp2_and_one_process):
     plain, single = fsdp2_and_one_process  # batch 4 a rank, no accumulation
     accumulated = run_fsdp2(tmp_path / "accumulated", "--max-steps", "4", "--batch-size", "2", "--accumulate", "2",
@@ -626,14 +646,16 @@ def test_none_loss_under_ddp_is_refused_rather_than_hanging(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("rule", ["muon", "normuon", "normuon-blocks"])
+@pytest.mark.parametrize("rule", ["muon", "normuon", "normuon-blocks", "heads"])
 def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path, rule):
     """Also with NorMuon: its second moments (whole on every rank) are saved, resumed and converted too; and with two
-    matrices split into row blocks (stepped on whole copies on every rank), which resume and convert alike."""
+    matrices split into row blocks (stepped on whole copies on every rank), which resume and convert alike; and the
+    shipped GPT with ``split_heads`` (`fsdp2_run.HeadsGPT`), its per-head blocks in the converted param groups."""
     checkpoint = tmp_path / "checkpoints" / "epoch0.ckpt"  # kept by the uninterrupted run, at its first epoch's end
-    settings = {"normuon_beta2": 0.95} if rule != "muon" else {}
+    settings = {"normuon_beta2": 0.95} if rule.startswith("normuon") else {}
     blocks = fsdp2_run.BLOCKS if rule.endswith("-blocks") else None
-    flags = (["--normuon"] if settings else []) + (["--blocks"] if blocks else [])
+    heads = {f"blocks.{i}.attn.qkv.weight": [8] * 9 for i in range(2)} if rule == "heads" else None
+    flags = (["--normuon"] if settings else []) + (["--blocks"] if blocks else []) + (["--heads"] if heads else [])
     run_fsdp2(tmp_path / "straight", "--max-epochs", "2", "--save", str(tmp_path / "checkpoints"), *flags)
     run_fsdp2(tmp_path / "resumed", "--max-epochs", "2", "--ckpt", str(checkpoint), *flags)
     assert checkpoint.is_dir()  # sharded: torch.distributed.checkpoint, not one file
@@ -645,7 +667,9 @@ def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path, rule):
         for got, expected in zip(resumed["second_moments"], straight["second_moments"], strict=True):
             assert (got is None) == (not settings) and (got is None or torch.equal(got, expected))
     # On one process the directory is refused, naming the conversion (not a raw IsADirectoryError) ...
-    def one_process() -> MuonNet:  # 1 process x batch 8 sees the gradients of 2 ranks x batch 4
+    def one_process() -> MuonMixin:  # 1 process x batch 8 sees the gradients of 2 ranks x batch 4
+        if heads:
+            return fsdp2_run.HeadsGPT(batch_size=8, muon=muon_factory(**settings))
         return MuonNet(batch_size=8, muon=muon_factory(**settings), muon_params=["sometimes.weight"],
                        adamw_params=["net.8.*"], matrix_blocks=blocks)
 
@@ -656,7 +680,7 @@ def test_fsdp2_resume_through_a_distributed_checkpoint_is_exact(tmp_path, rule):
     converted = torch.load(tmp_path / "one.ckpt", weights_only=False)["optimizer_states"][0]
     assert all((SECOND_MOMENT in state) == bool(settings) for state in converted["state"].values())
     given = [sizes for group in converted["param_groups"] for sizes in group.get("matrix_blocks") or [] if sizes]
-    assert sorted(given) == sorted((blocks or {}).values())
+    assert sorted(given) == sorted((blocks or heads or {}).values())
     model = one_process()
     trainer = make_trainer(tmp_path / "one", max_epochs=2)
     trainer.fit(model, ckpt_path=tmp_path / "one.ckpt")

@@ -123,6 +123,21 @@ def test_two_dimensional_data_and_tensor_parallel_trains_as_one_process(tmp_path
     assert_split(single, ranks)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_split_heads_under_tensor_parallelism_trains_as_one_process(tmp_path):
+    """``split_heads=True`` on the shipped parallel GPT: its colwise ``wq``, ``wk``, ``wv`` (4 heads of 8 rows,
+    row shards of 16: each TP rank holds 2 of the heads) are each stepped as 4 blocks, one a head, on their owner
+    rank, as one process steps them; ``wo`` (rowwise: its heads are its input columns) stays whole."""
+    (single,) = run(tmp_path / "one", 1, "--split-heads")
+    heads = {f"blocks.{i}.{w}.weight": [8] * 4 for i in range(2) for w in ("wq", "wk", "wv")}
+    assert single["blocks"] == heads
+    ranks = run(tmp_path / "tp", 2, "--split-heads")
+    assert [r["blocks"] for r in ranks] == [heads, heads]
+    assert_as_one_process(single, ranks)
+    assert_split(single, ranks)
+
+
 @pytest.mark.distributed
 def test_every_parameter_a_dtensor_trains_as_one_process(tmp_path):
     """The plan with the embeddings, head and norms on the tensor-parallel mesh too (every parameter a DTensor),
@@ -148,14 +163,15 @@ def test_muon_with_adamw_under_lightnings_own_loop_trains_as_one_process(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [[], ["--data-parallel", "2"], ["--data-parallel", "2", "--blocks"]],
-                         ids=["tp2", "dp2xtp2", "dp2xtp2-blocks"])
+@pytest.mark.parametrize("layout", [[], ["--data-parallel", "2"], ["--data-parallel", "2", "--blocks"],
+                                    ["--split-heads"]], ids=["tp2", "dp2xtp2", "dp2xtp2-blocks", "tp2-heads"])
 def test_a_tensor_parallel_checkpoint_resumes_exactly_and_converts_for_one_process(tmp_path, layout):
     """Lightning's distributed checkpoint directory (saved at an epoch's end) resumes TP(2), and dp=2 x tp=2 on 4
     ranks, bit for bit; its one-file conversion (`lightning-muon convert-checkpoint`) resumes one process to the
-    same weights. Also with matrices split into row blocks (`tp_run.BLOCKS`)."""
+    same weights. Also with matrices split into row blocks (`tp_run.BLOCKS`), and per head (``split_heads``: the
+    converted param groups hold each q, k, v's 4 heads)."""
     devices = 4 if "--data-parallel" in layout else 2
-    blocks = [flag for flag in layout if flag == "--blocks"]
+    blocks = [flag for flag in layout if flag in ("--blocks", "--split-heads")]
     epochs = [*layout, "--max-steps", "-1", "--max-epochs"]
     checkpoint = tmp_path / "checkpoints" / "epoch0.ckpt"  # kept by the uninterrupted run, at its first epoch's end
     straight = run(tmp_path / "straight", devices, *epochs, "2", "--save", str(tmp_path / "checkpoints"))
@@ -166,7 +182,9 @@ def test_a_tensor_parallel_checkpoint_resumes_exactly_and_converts_for_one_proce
     main(["convert-checkpoint", str(checkpoint), str(tmp_path / "one.ckpt")])
     converted = torch.load(tmp_path / "one.ckpt", weights_only=False)["optimizer_states"][0]["param_groups"]
     split = sorted(sizes for group in converted for sizes in group.get("matrix_blocks") or [] if sizes)
-    assert split == ([[8, 8, 8, 8]] * 2 + [[24, 40]] * 2 if blocks else [])  # 2 layers' wo and w1
+    expected = {"--blocks": [[8, 8, 8, 8]] * 2 + [[24, 40]] * 2,  # 2 layers' wo and w1
+                "--split-heads": [[8, 8, 8, 8]] * 6}  # 2 layers' wq, wk, wv
+    assert split == (expected[blocks[0]] if blocks else [])
     (one,) = run(tmp_path / "one", 1, "--max-steps", "-1", "--max-epochs", "2", "--ckpt", str(tmp_path / "one.ckpt"),
                  *blocks)
     for name, p in straight[0]["params"].items():

@@ -4,8 +4,9 @@ ModelParallelStrategy re-launches it for the other ranks): the shipped example
 tensor parallel with the plan of Lightning's tensor-parallel tutorial (the attention and feed-forward projections
 parallelised, the embedding, norms and head left plain tensors), and with ``--data-parallel 2`` FSDP2 over the other
 mesh dimension (Lightning's 2-D example), both by the example's own ``configure_model``; with ``--devices 1`` the
-same model in one process. Saves every rank's gathered parameters, first-batch roles and groups to ``out``;
-optionally keeps every epoch's checkpoint or resumes from one, monitors, or QK-Clips.
+same model in one process. Saves every rank's gathered parameters, first-batch roles, groups and the blocks its
+optimizers hold to ``out``; optionally keeps every epoch's checkpoint or resumes from one, monitors, QK-Clips, or
+splits the attention projections per head (``--split-heads``).
 
 ``helpers`` imports without a ``sys.path`` edit: running a script puts its own directory first on ``sys.path``,
 and the tests' directory is on it under pytest."""
@@ -121,6 +122,8 @@ class SaveRank(L.Callback):
                   for n, p in pl_module.named_parameters()}
         torch.save({"params": params, "world": trainer.world_size}, self.directory / f"rank{trainer.global_rank}.pt")
         groups = [[(g["name"], list(g["param_names"])) for g in o.param_groups] for o in trainer.optimizers]
+        blocks = {n: b for o in trainer.optimizers for g in o.param_groups
+                  for n, b in zip(g["param_names"], g.get("matrix_blocks") or [None] * len(g["params"])) if b}
         roles = strategy = None
         if isinstance(pl_module, MuonMixin):
             roles = pl_module.muon_roles.to_dict()
@@ -132,7 +135,7 @@ class SaveRank(L.Callback):
                 "ns_flops": chosen.ns_flops, "sent": chosen.exchanged_bytes,
                 "numel": sum(p.numel() for g in muon.param_groups for p in g["params"]),
             }
-        state = {"roles": roles, "groups": groups, "strategy": strategy}
+        state = {"roles": roles, "groups": groups, "strategy": strategy, "blocks": blocks}
         torch.save(state, self.directory / f"roles{trainer.global_rank}.pt")
 
 
@@ -153,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--monitor", action="store_true", help="MuonMonitor every step, into out/metrics.csv")
     parser.add_argument("--normuon", action="store_true", help="NorMuon (normuon_beta2=0.95) on the mixin's Muon")
     parser.add_argument("--blocks", action="store_true", help=f"the mixin's Muon matrices split as {BLOCKS}")
+    parser.add_argument("--split-heads", action="store_true", help="the mixin's split_heads=True")
     parser.add_argument("--qk-clip", type=float, default=None, metavar="TAU", help="QKClip(tau) after every update")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -177,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         model = OneOptimizerAllDTensorLM() if args.one_optimizer else MuonAllDTensorLM(muon=muon)
     else:
         blocks = {"matrix_blocks": BLOCKS} if args.blocks else {}
+        blocks |= {"split_heads": True} if args.split_heads else {}
         model = OneOptimizerTinyLM() if args.one_optimizer else MuonTinyLM(muon=muon, **blocks)
     trainer.fit(model, ckpt_path=args.ckpt)
 
