@@ -102,9 +102,10 @@ def config(spec: dict[str, Any], option: str, steps: int) -> dict[str, Any]:
 
 
 def run_study(name: str, out: Path, steps: int, seeds: int, multipliers: str, val_batches: int,
-              threads: int | None, reuse: bool = False) -> list[str]:
+              threads: int | None, reuse: bool = False, tabulate: bool = False) -> list[str]:
     """Write the study's configs and run ``compare`` on them (then `_tuned.extend_edges`); returns the command
-    line (as one run of it, also where ``reuse`` kept the sides already fitted in ``out``: only the others fit)."""
+    line (as one run of it, also where ``reuse`` kept the sides already fitted in ``out``: only the others fit;
+    ``tabulate`` fits nothing, every side's runs already there)."""
     study = STUDIES[name]
     configs = [_tuned.write_config(out / "configs" / f"{name}_{option}.yaml", config(study["spec"], option, steps),
                                    f"{study['spec']['what']}; {OPTIONS[option][0]}; written by "
@@ -114,10 +115,10 @@ def run_study(name: str, out: Path, steps: int, seeds: int, multipliers: str, va
     sweep = ["--multipliers", multipliers, "--seeds", str(seeds)]
     baseline = ["--baseline", configs[0].stem]
     logs = out / name / "lightning_logs"
-    todo = [c for c in configs if not (reuse and (logs / c.stem).is_dir())]
+    todo = [] if tabulate else [c for c in configs if not (reuse and (logs / c.stem).is_dir())]
     if todo:  # the baseline named only where it is among the sides fitted (else it is a kept one)
         _tuned.compare(todo, out / name, [*sweep, *(baseline if todo[0] == configs[0] else []), *common], threads)
-    if _tuned.extend_edges(configs, out / name, seeds, common, threads, label=name) or todo != configs:
+    if tabulate or _tuned.extend_edges(configs, out / name, seeds, common, threads, label=name) or todo != configs:
         _tuned.compare([], out / name, [*baseline, "--from-logs", *(str(logs / c.stem) for c in configs)], threads)
     # as one run of the command would be typed
     return ["lightning-muon", "compare", *map(_tuned.relative, configs), *sweep, *baseline, *common, "--out",
@@ -147,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--studies", nargs="+", choices=list(STUDIES), default=DEFAULT_STUDIES)
     _tuned.add_study_options(parser, steps=300, multipliers_help="the lr sweep around Muon lr 0.02 (default 0.5,1,2)")
+    parser.add_argument("--tabulate", action="store_true",
+                        help="fit nothing: tabulate the runs already in --out (fits run apart, side by side)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the sides already fitted in --out (fit only the others, then tabulate all)")
     parser.add_argument("--write", action="store_true",
@@ -164,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def one(name: str) -> list[str]:
         line = run_study(name, out, args.steps, args.seeds, args.multipliers, args.val_batches, args.threads,
-                         reuse=args.reuse)
+                         reuse=args.reuse, tabulate=args.tabulate)
         print(f"  {name}: done in {_tuned.seconds(out / name) / 60:.1f} min", flush=True)
         return line
 
