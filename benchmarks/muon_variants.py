@@ -195,8 +195,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         table, "",
         *[f"- {n}." for group in notes for n in group], "",
         "Each study's full report (sweep and seeds tables, verdicts, plot) is `comparison.md` in its directory, "
-        "copied with its plot to `results/muon_variants_models/<model>/`, the configs to "
-        "`results/muon_variants_models/configs/`. Produced by:", "", "```bash",
+        f"copied with its plot to `results/{args.name}/<model>/`, the configs to "
+        f"`results/{args.name}/configs/`. Produced by:", "", "```bash",
         shlex.join(["python", "benchmarks/muon_variants.py", *(sys.argv[1:] if argv is None else argv)]),
         *[f"# {what}: {shlex.join(c)}" for what, c in commands.items()], "```",
     ])
