@@ -64,6 +64,18 @@ FIGURES = [
      "0.036/0.950 | 0.023/0.912 |", "aol.md"),
     ("docs/guides/optimizer.md", "(0.067 against 0.179)", "aol.md"),
     ("docs/guides/optimizer.md", "(0.507 against 0.245)", "aol.md"),
+    ("docs/guides/optimizer.md", "| default, 5 steps | 1.6192 ± 0.0256 |", "aol_trained.md"),
+    ("docs/guides/optimizer.md", "| AOL, 4 steps | 1.6308 ± 0.0048 | +0.0116 (+0.0264, -0.0031) |", "aol_trained.md"),
+    ("docs/guides/optimizer.md", "| AOL + turbo, 4 steps | 1.6332 ± 0.0180 | +0.0140 (+0.0194, +0.0086) |",
+     "aol_trained.md"),
+    ("docs/guides/optimizer.md", "(1.6011 to 1.6373)", "aol_trained.md"),
+    ("docs/guides/optimizer.md", "The step it saves is 0.92x plain Muon's step", "optimizer_step_aol_blocks.md"),
+    ("docs/guides/optimizer.md", "(0.94x with Turbo-Muon's coefficients", "optimizer_step_aol_blocks.md"),
+    ("docs/guides/optimizer.md", "934.96 against 1098.04 GFLOP", "optimizer_step_aol_blocks.md"),
+    ("docs/benchmarks.md", "default 5 steps 1.6192 ± 0.0256, AOL 4 steps 1.6308 ± 0.0048, AOL with Turbo-Muon's "
+     "coefficients 1.6332 ± 0.0180", "aol_trained.md"),
+    ("docs/benchmarks.md", "0.92x / 0.94x plain Muon's, qkv split per head 0.85x, per projection 1.07x",
+     "optimizer_step_aol_blocks.md"),
     ("docs/guides/routing.md", "1.6348 ± 0.0002 against 1.6574 ± 0.0010", "muon_variants_models.md"),
     ("docs/guides/routing.md", "1.4867 ± 0.0182 against 1.4901 ± 0.0135", "muon_variants_models.md"),
     ("docs/benchmarks.md", "GPT-2 -0.0226 (-0.0220, -0.0232), litgpt's GQA qkv -0.0001, Qwen3-MoE's `gate_up_proj` "
