@@ -76,6 +76,10 @@ FIGURES = [
      "coefficients 1.6332 ± 0.0180", "aol_trained.md"),
     ("docs/benchmarks.md", "0.92x / 0.94x plain Muon's, qkv split per head 0.85x, per projection 1.07x",
      "optimizer_step_aol_blocks.md"),
+    ("docs/guides/routing.md", "per head 1.5875 ± 0.0053, per projection 1.5833 ± 0.0065, fused 1.6192 ± 0.0256",
+     "heads_trained.md"),
+    ("docs/benchmarks.md", "per projection -0.0359 (-0.0223, -0.0494), per head -0.0317 (-0.0173, -0.0461)",
+     "heads_trained.md"),
     ("docs/guides/routing.md", "1.6348 ± 0.0002 against 1.6574 ± 0.0010", "muon_variants_models.md"),
     ("docs/guides/routing.md", "1.4867 ± 0.0182 against 1.4901 ± 0.0135", "muon_variants_models.md"),
     ("docs/benchmarks.md", "GPT-2 -0.0226 (-0.0220, -0.0232), litgpt's GQA qkv -0.0001, Qwen3-MoE's `gate_up_proj` "
