@@ -2,7 +2,10 @@
 cautious weight decay on transformers' Llama, NorMuon and the fused ``gate_up_proj`` split per block on
 transformers' Qwen3-MoE, the fused projections split per block on GPT-2 (``c_attn``: q, k, v) and litgpt
 (``qkv``: unequal blocks under grouped-query attention). The shipped GPT's comparison is
-``results/muon_variants/`` (one ``lightning-muon compare`` command, in its report).
+``results/muon_variants/`` (one ``lightning-muon compare`` command, in its report). Issue 48's studies, run with
+``--studies``: AOL Newton-Schulz at 4 steps on the shipped GPT (``gpt_aol``, ``--name aol_trained``), and its fused
+``qkv`` split per projection and per head by hand (``gpt_heads``; GPT-2's ``c_attn``: ``gpt2_heads``; ``--name
+heads_trained``). ``--tabulate`` reports runs fitted apart (the same fits, two at a time).
 
 Each model's sides are configs this writes (the model from `lightning_muon.examples.third_party`, the Muon
 settings of the shipped configs, the library's default Newton-Schulz dtype); each study is one run of the real
