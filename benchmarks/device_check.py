@@ -12,7 +12,8 @@ Correctness, each a measured value against a tolerance stated here (set before a
   below ``tau`` after the clip.
 
 Speed, through ``optimizer_step.py``'s helpers (same parameters and gradients for every optimizer, turns
-interleaved, medians): the optimizer step on GPT-2-small's hidden matrices (and 24 layers of 2048 on an
+interleaved, medians): the optimizer step (the default, AOL Newton-Schulz at 4 steps, the qkv one block a head) on
+GPT-2-small's hidden matrices (and 24 layers of 2048 on an
 accelerator at full size) against ``torch.optim.Muon`` and fused AdamW, against the matmul peak measured in the same
 run (the NS-limit ratio), eager and with the Newton-Schulz kernels under ``torch.compile`` (graphs and graph breaks
 counted), and the memory one step adds (CUDA's allocator; the CPU has no such count).
@@ -96,6 +97,10 @@ LOGIT_TOL = 1e-3
 CLIP_TOL = 1e-3
 COMPILED = "ours (bf16, NS compiled)"
 optimizer_step.OURS.setdefault(COMPILED, optimizer_step.OURS["ours (bf16)"])
+#: Rows beside the default: AOL Newton-Schulz at 4 steps and the fused qkv one block a head (issue 48's options).
+OPTIONS = ["ours (bf16, AOL, 4 steps)", "ours (bf16, qkv per head)"]
+for _label in OPTIONS:
+    optimizer_step.OURS.setdefault(_label, optimizer_step.AOL_BLOCKS[_label])
 
 
 @dataclass
@@ -303,7 +308,8 @@ def speed(device: torch.device, size: Size) -> tuple[list[Table], dict[str, torc
     n = 8192 if accelerator else size.peak_n
     dtypes = (torch.bfloat16,) if accelerator else (torch.bfloat16, torch.float32)
     peaks = {dtype: optimizer_step.matmul_peak(dtype, n) for dtype in dtypes}
-    labels = ["ours (bf16)", *([] if accelerator else ["ours (fp32)"]), optimizer_step.TORCH_MUON, optimizer_step.ADAMW]
+    labels = ["ours (bf16)", *([] if accelerator else ["ours (fp32)"]), *OPTIONS, optimizer_step.TORCH_MUON,
+              optimizer_step.ADAMW]
     models = size.accelerator_models if accelerator else size.models
     rows: list[dict] = []
     with Progress(console=_common.console(170), transient=True) as progress:

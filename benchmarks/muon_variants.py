@@ -2,7 +2,10 @@
 cautious weight decay on transformers' Llama, NorMuon and the fused ``gate_up_proj`` split per block on
 transformers' Qwen3-MoE, the fused projections split per block on GPT-2 (``c_attn``: q, k, v) and litgpt
 (``qkv``: unequal blocks under grouped-query attention). The shipped GPT's comparison is
-``results/muon_variants/`` (one ``lightning-muon compare`` command, in its report).
+``results/muon_variants/`` (one ``lightning-muon compare`` command, in its report). Issue 48's studies, run with
+``--studies``: AOL Newton-Schulz at 4 steps on the shipped GPT (``gpt_aol``, ``--name aol_trained``), and its fused
+``qkv`` split per projection and per head by hand (``gpt_heads``; GPT-2's ``c_attn``: ``gpt2_heads``; ``--name
+heads_trained``). ``--tabulate`` reports runs fitted apart (the same fits, two at a time).
 
 Each model's sides are configs this writes (the model from `lightning_muon.examples.third_party`, the Muon
 settings of the shipped configs, the library's default Newton-Schulz dtype); each study is one run of the real
@@ -25,7 +28,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,8 +44,24 @@ MOE = dict(what="transformers `Qwen3MoeForCausalLM` (8 SwiGLU experts of width 1
                 "stacks; no load-balancing loss), 2 layers, width 128",
            model=MODELS["llama"]["model"], args={"family": "qwen3_moe", "n_layer": 2, "n_embd": 128}, data=TEXT,
            muon_lr=0.02, rest_lr=0.003)
-#: Each option: what it is, and what it sets: on the Muon optimizer (``muon``) or on the model (``model``).
-OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+#: The shipped GPT (``configs/gpt_muon.yaml``'s model and Muon settings). Its attention is the example's own module,
+#: which the routing does not find fused (``configs/gpt_muon_split.yaml`` names its blocks): ``projections`` are its
+#: ``qkv``'s row blocks one a projection, ``heads`` one a head (q's 4 heads, then k's, then v's: 12 of 32 rows).
+GPT = dict(what="the shipped GPT (`configs/gpt_muon.yaml`: `CharGPT`, fused `qkv`), 4 layers, width 128, 4 heads",
+           model="lightning_muon.examples.char_gpt.CharGPT", args={"n_layer": 4, "n_embd": 128}, data=TEXT,
+           muon_lr=0.02, rest_lr=0.003, projections={"*.qkv.weight": [128] * 3}, heads={"*.qkv.weight": [32] * 12})
+#: GPT-2's ``c_attn`` (``Conv1D``, ``in x out``: the blocks are along its 384 output columns) one block a head.
+GPT2 = dict(MODELS["gpt2"], heads={"*.c_attn.weight": [32] * 12})
+
+
+def blocks(key: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """An option setting the study's model's ``matrix_blocks`` to its spec's ``key`` entry (blocks by hand)."""
+    return lambda spec: {"model": {"matrix_blocks": spec[key]}}
+
+
+#: Each option: what it is, and what it sets: on the Muon optimizer (``muon``) or on the model (``model``); or a
+#: function of the study's model giving them.
+OPTIONS: dict[str, tuple[str, dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]]]] = {
     "muon": ("plain Muon (the baseline)", {}),
     "normuon": ("NorMuon, `normuon_beta2: 0.95`", {"muon": {"normuon_beta2": 0.95}}),
     "cautious": ("cautious weight decay, `cautious_weight_decay: true`", {"muon": {"cautious_weight_decay": True}}),
@@ -50,6 +69,12 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     # The routing sends a router (a stack of gate vectors, one an expert) to AdamW: this side asks what Muon does.
     "routers": ("the routers on Muon, `muon_params: ['*.mlp.gate.weight']`",
                 {"model": {"muon_params": ["*.mlp.gate.weight"]}}),
+    "projections": ("fused q, k, v split per projection, `matrix_blocks` (3 blocks of 128)", blocks("projections")),
+    "heads": ("fused q, k, v split one block a head, `matrix_blocks` (12 blocks of 32)", blocks("heads")),
+    "aol4": ("AOL Newton-Schulz, 4 steps, `ns_steps: 4, ns_precondition: aol`",
+             {"muon": {"ns_steps": 4, "ns_precondition": "aol"}}),
+    "aol4_turbo": ("AOL, 4 steps, Turbo-Muon's coefficients, `ns_coefficients: turbo_muon`",
+                   {"muon": {"ns_steps": 4, "ns_precondition": "aol", "ns_coefficients": "turbo_muon"}}),
 }
 #: Each study: its model and the options its sides take (the first is the baseline).
 STUDIES: dict[str, dict[str, Any]] = {
@@ -57,21 +82,33 @@ STUDIES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(spec=MOE, options=["muon", "normuon", "split", "routers"]),
     "gpt2": dict(spec=MODELS["gpt2"], options=["muon", "split"]),
     "litgpt": dict(spec=MODELS["litgpt"], options=["muon", "split"]),
+    "gpt_aol": dict(spec=GPT, options=["muon", "aol4", "aol4_turbo"]),
+    "gpt_heads": dict(spec=GPT, options=["muon", "projections", "heads"]),
+    "gpt2_heads": dict(spec=GPT2, options=["muon", "split", "heads"]),
 }
+#: Each report's title, by its name (``--name``).
+TITLES = {"muon_variants_models": "Update-rule options on third-party models: each against plain Muon, each side tuned",
+          "aol_trained": "AOL Newton-Schulz at 4 steps on the shipped GPT: against the default 5, each side tuned",
+          "heads_trained": "Attention heads orthogonalised alone: per head against per projection and fused, each "
+                           "side tuned"}
+#: The studies ``--studies`` runs when not given (the later ones run with ``--studies NAME ...``).
+DEFAULT_STUDIES = ["llama", "qwen3_moe", "gpt2", "litgpt"]
 
 
 def config(spec: dict[str, Any], option: str, steps: int) -> dict[str, Any]:
     """One side's config: ``spec``'s model with Muon + AdamW and the ``option``'s settings."""
-    sets = OPTIONS[option][1]
+    given = OPTIONS[option][1]
+    sets = given(spec) if callable(given) else given
     opt = _tuned.optimizers(spec["muon_lr"], spec["rest_lr"], ns_dtype=None, **sets.get("muon", {}))
     return {"seed_everything": 0, "trainer": {**TRAINER, "max_steps": steps}, "data": spec["data"],
             "model": {"class_path": spec["model"], "init_args": {**spec["args"], **opt, **sets.get("model", {})}}}
 
 
 def run_study(name: str, out: Path, steps: int, seeds: int, multipliers: str, val_batches: int,
-              threads: int | None, reuse: bool = False) -> list[str]:
+              threads: int | None, reuse: bool = False, tabulate: bool = False) -> list[str]:
     """Write the study's configs and run ``compare`` on them (then `_tuned.extend_edges`); returns the command
-    line (as one run of it, also where ``reuse`` kept the sides already fitted in ``out``: only the others fit)."""
+    line (as one run of it, also where ``reuse`` kept the sides already fitted in ``out``: only the others fit;
+    ``tabulate`` fits nothing, every side's runs already there)."""
     study = STUDIES[name]
     configs = [_tuned.write_config(out / "configs" / f"{name}_{option}.yaml", config(study["spec"], option, steps),
                                    f"{study['spec']['what']}; {OPTIONS[option][0]}; written by "
@@ -81,10 +118,10 @@ def run_study(name: str, out: Path, steps: int, seeds: int, multipliers: str, va
     sweep = ["--multipliers", multipliers, "--seeds", str(seeds)]
     baseline = ["--baseline", configs[0].stem]
     logs = out / name / "lightning_logs"
-    todo = [c for c in configs if not (reuse and (logs / c.stem).is_dir())]
+    todo = [] if tabulate else [c for c in configs if not (reuse and (logs / c.stem).is_dir())]
     if todo:  # the baseline named only where it is among the sides fitted (else it is a kept one)
         _tuned.compare(todo, out / name, [*sweep, *(baseline if todo[0] == configs[0] else []), *common], threads)
-    if _tuned.extend_edges(configs, out / name, seeds, common, threads, label=name) or todo != configs:
+    if tabulate or _tuned.extend_edges(configs, out / name, seeds, common, threads, label=name) or todo != configs:
         _tuned.compare([], out / name, [*baseline, "--from-logs", *(str(logs / c.stem) for c in configs)], threads)
     # as one run of the command would be typed
     return ["lightning-muon", "compare", *map(_tuned.relative, configs), *sweep, *baseline, *common, "--out",
@@ -112,12 +149,17 @@ def study_rows(name: str, out: Path) -> tuple[list[list[str]], list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--studies", nargs="+", choices=list(STUDIES), default=list(STUDIES))
+    parser.add_argument("--studies", nargs="+", choices=list(STUDIES), default=DEFAULT_STUDIES)
     _tuned.add_study_options(parser, steps=300, multipliers_help="the lr sweep around Muon lr 0.02 (default 0.5,1,2)")
+    parser.add_argument("--tabulate", action="store_true",
+                        help="fit nothing: tabulate the runs already in --out (fits run apart, side by side)")
     parser.add_argument("--reuse", action="store_true",
                         help="keep the sides already fitted in --out (fit only the others, then tabulate all)")
     parser.add_argument("--write", action="store_true",
-                        help="write benchmarks/results/muon_variants_models.md and its RESULTS.md section")
+                        help="write benchmarks/results/NAME.md and its RESULTS.md section")
+    parser.add_argument("--name", default="muon_variants_models",
+                        help="the report's name (default muon_variants_models; the AOL and per-head studies: "
+                             "aol_trained, heads_trained)")
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="where the runs go (default: lightning_logs/muon_variants)")
     args = parser.parse_args(argv)
@@ -128,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     def one(name: str) -> list[str]:
         line = run_study(name, out, args.steps, args.seeds, args.multipliers, args.val_batches, args.threads,
-                         reuse=args.reuse)
+                         reuse=args.reuse, tabulate=args.tabulate)
         print(f"  {name}: done in {_tuned.seconds(out / name) / 60:.1f} min", flush=True)
         return line
 
@@ -141,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                       + ["| " + " | ".join(r) + " |" for group in rows for r in group])
     elapsed = time.perf_counter() - started
     report = "\n".join([
-        "# Update-rule options on third-party models: each against plain Muon, each side tuned", "",
+        f"# {TITLES.get(args.name, 'Update-rule options: each against plain Muon, each side tuned')}", "",
         f"Machine: {_common.machine(args.threads)} a fit, {args.jobs} compare commands at a time; load average "
         f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
         f"after; {datetime.date.today()}. The whole run took {elapsed / 60:.1f} min.", "",
@@ -156,15 +198,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         table, "",
         *[f"- {n}." for group in notes for n in group], "",
         "Each study's full report (sweep and seeds tables, verdicts, plot) is `comparison.md` in its directory, "
-        "copied with its plot to `results/muon_variants_models/<model>/`, the configs to "
-        "`results/muon_variants_models/configs/`. Produced by:", "", "```bash",
+        f"copied with its plot to `results/{args.name}/<model>/`, the configs to "
+        f"`results/{args.name}/configs/`. Produced by:", "", "```bash",
         shlex.join(["python", "benchmarks/muon_variants.py", *(sys.argv[1:] if argv is None else argv)]),
         *[f"# {what}: {shlex.join(c)}" for what, c in commands.items()], "```",
     ])
     print(report, flush=True)
-    (out / "muon_variants_models.md").write_text(report + "\n")
+    (out / f"{args.name}.md").write_text(report + "\n")
     if args.write:
-        _tuned.keep(out, "muon_variants_models", args.studies, report)
+        _tuned.keep(out, args.name, args.studies, report)
 
 
 if __name__ == "__main__":

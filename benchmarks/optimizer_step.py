@@ -21,12 +21,15 @@ random gradients). Our rows: the default (Gram Newton-Schulz on matrices at
 least `DEFAULT_GRAM_ASPECT` times longer than wide), Gram off
 (``ns_gram_aspect=None``), Polar Express coefficients, and fp32 Newton-Schulz
 (the choice on CPUs without bf16 matmuls). ``--update-rules`` times NorMuon and cautious weight decay
-and the fused qkv split into q, k and v (``matrix_blocks``) against plain Muon in bf16 and fp32 instead.
+and the fused qkv split into q, k and v (``matrix_blocks``) against plain Muon in bf16 and fp32 instead;
+``--aol-blocks`` AOL Newton-Schulz at 4 steps (`lightning_muon.Muon`'s ``ns_precondition="aol"``) and the qkv split
+per projection and per head (64-row heads), bf16.
 
     python benchmarks/optimizer_step.py            # gpt2-small and width-128
     python benchmarks/optimizer_step.py --quick    # width-128 only, a few seconds
     python benchmarks/optimizer_step.py --device cuda --models gpt2-small 24x2048   # a GPU, bf16 NS
     python benchmarks/optimizer_step.py --update-rules --models width-128 gpt2-small  # NorMuon, cautious wd, split
+    python benchmarks/optimizer_step.py --aol-blocks --models gpt2-small --cpu-time   # AOL, qkv per projection/head
 
 Prints the table; with ``--write`` also writes ``benchmarks/results/optimizer_step.md``
 (``optimizer_step_cuda.md`` on a GPU) and its ``benchmarks/RESULTS.md`` section.
@@ -107,9 +110,12 @@ OURS = {
     "ours (bf16, Polar Express)": {"ns_dtype": torch.bfloat16, "ns_coefficients": "polar_express"},
     "ours (fp32)": {"ns_dtype": torch.float32},
 }
-#: An update rule's setting that is no Muon argument: every fused ``3d x d`` qkv matrix split into its three
-#: ``d x d`` blocks (a param group's ``matrix_blocks``, as ``split_fused=True`` sets it for GPT-2's ``c_attn``).
+#: An update rule's setting that is no Muon argument: every fused ``3d x d`` qkv matrix split into blocks (a param
+#: group's ``matrix_blocks``): ``"projections"``, its three ``d x d`` blocks (as ``split_fused=True`` sets it for
+#: GPT-2's ``c_attn``); ``"heads"``, one block of `HEAD_DIM` rows a head (q's heads, then k's, then v's).
 SPLIT_QKV = "split qkv"
+#: A head's rows where the qkv is split per head: GPT-2's (12 heads of 64 at width 768).
+HEAD_DIM = 64
 #: The update rules beside plain Muon (``--update-rules``): each against plain Muon in the same dtype.
 UPDATE_RULES = {
     "ours (bf16)": {},
@@ -118,8 +124,18 @@ UPDATE_RULES = {
     "ours (fp32)": {"ns_dtype": torch.float32},
     "ours (fp32, NorMuon)": {"ns_dtype": torch.float32, "normuon_beta2": 0.95},
     "ours (fp32, cautious wd)": {"ns_dtype": torch.float32, "cautious_weight_decay": True},
-    "ours (bf16, qkv split)": {SPLIT_QKV: True},
-    "ours (fp32, qkv split)": {"ns_dtype": torch.float32, SPLIT_QKV: True},
+    "ours (bf16, qkv split)": {SPLIT_QKV: "projections"},
+    "ours (fp32, qkv split)": {"ns_dtype": torch.float32, SPLIT_QKV: "projections"},
+}
+#: AOL Newton-Schulz at 4 steps and the qkv split per projection and per head, against plain Muon (``--aol-blocks``):
+#: bf16, the Newton-Schulz dtype of a CPU with AVX512-BF16 or AMX and of accelerators.
+AOL_BLOCKS = {
+    "ours (bf16)": {},
+    "ours (bf16, AOL, 4 steps)": {"ns_steps": 4, "ns_precondition": "aol"},
+    "ours (bf16, AOL, 4 steps, Turbo-Muon coefficients)": {"ns_steps": 4, "ns_precondition": "aol",
+                                                           "ns_coefficients": "turbo_muon"},
+    "ours (bf16, qkv split)": {SPLIT_QKV: "projections"},
+    "ours (bf16, qkv per head)": {SPLIT_QKV: "heads"},
 }
 TORCH_MUON = "torch.optim.Muon (bf16)"
 ADAMW = "torch.optim.AdamW (fused)"
@@ -131,8 +147,10 @@ def build(label: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
     if label == ADAMW:
         return torch.optim.AdamW(params, lr=3e-4, fused=True)
     settings = dict(OURS[label])
-    if settings.pop(SPLIT_QKV, False):
-        blocks = [[p.shape[1]] * 3 if p.ndim == 2 and p.shape[0] == 3 * p.shape[1] else None for p in params]
+    split = settings.pop(SPLIT_QKV, None)
+    if split is not None:
+        blocks = [(([p.shape[1]] * 3) if split == "projections" else [HEAD_DIM] * (3 * p.shape[1] // HEAD_DIM))
+                  if p.ndim == 2 and p.shape[0] == 3 * p.shape[1] else None for p in params]
         return lightning_muon.Muon([{"params": params, "matrix_blocks": blocks}], **_MUON, **settings)
     return lightning_muon.Muon(params, **_MUON, **settings)
 
@@ -274,6 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--update-rules", action="store_true",
                         help="our rows: plain Muon, NorMuon, cautious weight decay and the qkv split in bf16 and fp32 "
                              "(no sweep; writes optimizer_step_update_rules.md)")
+    parser.add_argument("--aol-blocks", action="store_true",
+                        help="our rows: plain Muon, AOL Newton-Schulz at 4 steps, the qkv split per projection and per "
+                             "head, bf16 (no sweep; writes optimizer_step_aol_blocks.md)")
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/optimizer_step.md and its RESULTS.md section (else: print)")
     args = parser.parse_args(argv)
@@ -281,8 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     global DEVICE, OURS, CLOCK
     DEVICE = torch.device(args.device)
     CLOCK = time.process_time if args.cpu_time else time.perf_counter
-    if args.update_rules:
-        OURS, args.no_sweep = UPDATE_RULES, True
+    if args.update_rules or args.aol_blocks:
+        OURS, args.no_sweep = UPDATE_RULES if args.update_rules else AOL_BLOCKS, True
     models = args.models or (["width-128"] if args.quick else ["gpt2-small", "width-128", "resnet18-conv"])
     console = _common.console(170)
     n = 2048 if DEVICE.type == "cpu" else 8192
@@ -297,7 +318,7 @@ def main(argv: list[str] | None = None) -> None:
             rows += bench_model(name, repeats, progress)
         sweep = None if args.no_sweep or args.quick else gram_sweep(progress)
     peaks = {dtype: max(peaks[dtype], matmul_peak(dtype, n)) for dtype in dtypes}
-    table = render(rows, peaks, against_plain=args.update_rules)
+    table = render(rows, peaks, against_plain=args.update_rules or args.aol_blocks)
     console.print(table)
     if sweep is not None:
         console.print(sweep)
@@ -315,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
             "of the first update, on random gradients. torch.optim.Muon gets conv kernels flattened to 2D.\n"
         )
         name = "optimizer_step" if DEVICE.type == "cpu" else f"optimizer_step_{DEVICE.type}"
-        name += "_update_rules" if args.update_rules else ""
+        name += "_update_rules" if args.update_rules else "_aol_blocks" if args.aol_blocks else ""
         title = "Optimizer step" + ("" if DEVICE.type == "cpu" else f" ({device})")
         if sweep is not None:
             notes += (

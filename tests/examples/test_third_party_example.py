@@ -201,7 +201,14 @@ def test_the_studies_configs_build_through_the_real_cli(tmp_path):
         if name.endswith("_routers"):  # a user pattern puts the routers on Muon
             routers = {r.optimizer for r in cli.model.muon_routing().routes if r.name.endswith("mlp.gate.weight")}
             assert routers == {"Muon"}, name
-    assert len(written) >= 29
+        if "_aol4" in name:  # AOL Newton-Schulz at 4 steps, with Turbo-Muon's coefficients on the turbo side
+            assert (muon_args["ns_precondition"], muon_args["ns_steps"]) == ("aol", 4), name
+            assert (muon_args["ns_coefficients"] == "turbo_muon") is name.endswith("_turbo"), name
+        if name.endswith(("_projections", "_heads")):  # the fused q, k, v by hand: 3 blocks, or one a head
+            blocks = {r.name: r.blocks for r in cli.model.muon_routing().routes if r.blocks}
+            sizes = [128] * 3 if name.endswith("_projections") else [32] * 12
+            assert blocks and all(list(b) == sizes for b in blocks.values()), (name, blocks)
+    assert len(written) >= 37
 
 
 @pytest.mark.usefixtures("benchmark_modules")
