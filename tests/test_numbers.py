@@ -294,7 +294,7 @@ def test_the_options_said_off_by_default_are_off():
     assert keyword_defaults(MuonMixin.__init__)["split_fused"] is False
     assert keyword_defaults(MuonWithAdamW.__init__)["split_fused"] is False
     routing_page = spaced((ROOT / "docs/guides/routing.md").read_text())
-    assert "`split_heads=True` (off by default, not yet measured)" in routing_page
+    assert "`split_heads=True` (off by default: measured no better than a split per projection)" in routing_page
     for function in (MuonMixin.__init__, MuonWithAdamW.__init__, route_parameters):
         assert keyword_defaults(function)["split_heads"] is False
     configs = {path.name: yaml.safe_load(path.read_text()) for path in (ROOT / "configs").glob("*.yaml")}

@@ -433,7 +433,7 @@ def route_parameters(
             attention), a fused qkv first by projection (it implies ``split_fused`` there). The heads are read from
             the model (transformers' and litgpt's configs, ``nn.MultiheadAttention``, a ``qk_layout()`` method),
             never guessed. The output projection stays whole: its heads are its input columns, not its rows. Off by
-            default, not yet measured; on sharded parameters (FSDP2, tensor parallelism) as on one process.
+            default (measured no better than a split per projection); on sharded parameters as on one process.
 
     Fused projections (``nn.MultiheadAttention``'s ``in_proj_weight``, GPT-2's ``c_attn``, litgpt's ``qkv``,
     transformers' fused MoE ``gate_up_proj``) are found by module type and shape and named in the reason. With
