@@ -79,6 +79,31 @@ def tiny_llama() -> nn.Module:
         return transformers.LlamaForCausalLM(config)
 
 
+def built(make: Callable[[], nn.Module]) -> nn.Module:
+    """``make()`` under seed 0 with its warnings silenced (transformers' and litgpt's model constructors warn)."""
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return make()
+
+
+class TokenLM(L.LightningModule):
+    """A language model's module for the tests (a subclass sets ``self.model``, a transformers causal LM of
+    vocabulary 64): trained on 8 fixed random sequences of 16 tokens, in batches of 4."""
+
+    model: nn.Module
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def train_dataloader(self) -> DataLoader:
+        tokens = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(tokens), batch_size=4)
+
+
 def sine_regression_loader(trainer: L.Trainer, samples: int, batch_size: int) -> DataLoader:
     """``samples`` fixed inputs of width 8 with target ``sin(sum(x))``, sharded without shuffling under DDP:
     rank r takes samples r, r + W, ..., so W ranks' batches of B / W together are one process's batch of B."""

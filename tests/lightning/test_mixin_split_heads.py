@@ -16,7 +16,7 @@ from lightning_muon.commands.cli import main
 from lightning_muon.commands.config_files import SHIPPED
 from lightning_muon.commands.lightning_cli import MuonCLI
 
-from helpers import make_trainer, raw_optimizers
+from helpers import TokenLM, make_trainer, raw_optimizers
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,7 +26,7 @@ HEADS = {f"{ATTENTION}.q_proj.weight": [8] * 4, f"{ATTENTION}.k_proj.weight": [8
          f"{ATTENTION}.v_proj.weight": [8] * 2}
 
 
-class TinyLlama(L.LightningModule):
+class TinyLlama(TokenLM):
     """transformers' Llama (width 32, 1 layer, grouped-query attention: 4 query heads, 2 key-value heads)."""
 
     def __init__(self) -> None:
@@ -37,14 +37,6 @@ class TinyLlama(L.LightningModule):
             warnings.simplefilter("ignore")
             torch.manual_seed(0)
             self.model = transformers.LlamaForCausalLM(config)
-
-    def training_step(self, batch, batch_idx):
-        (tokens,) = batch
-        return self.model(input_ids=tokens, labels=tokens).loss
-
-    def train_dataloader(self):
-        tokens = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
 
 
 class MuonTinyLlama(MuonMixin, TinyLlama):

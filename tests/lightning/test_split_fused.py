@@ -9,12 +9,12 @@ import torch
 
 from lightning_muon import MuonMixin
 
-from helpers import make_trainer, raw_optimizers
+from helpers import TokenLM, make_trainer, raw_optimizers
 
 transformers = pytest.importorskip("transformers")
 
 
-class TinyGPT2(L.LightningModule):
+class TinyGPT2(TokenLM):
     """transformers' GPT-2 (width 32, 2 layers: ``c_attn`` is a fused q, k, v ``Conv1D`` stored 32 x 96)."""
 
     def __init__(self) -> None:
@@ -23,14 +23,6 @@ class TinyGPT2(L.LightningModule):
         with torch.random.fork_rng():
             torch.manual_seed(0)
             self.model = transformers.GPT2LMHeadModel(config)
-
-    def training_step(self, batch, batch_idx):
-        (tokens,) = batch
-        return self.model(input_ids=tokens, labels=tokens).loss
-
-    def train_dataloader(self):
-        tokens = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
 
 
 class MuonTinyGPT2(MuonMixin, TinyGPT2):

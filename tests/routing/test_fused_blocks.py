@@ -7,8 +7,6 @@ interleaved ``gate_up_proj`` is named and kept whole."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from litgpt import GPT, Config
@@ -19,15 +17,10 @@ from lightning_muon import Muon
 from lightning_muon.optim.groups import block_dim
 from lightning_muon.routing import route_parameters
 
+from helpers import built
+
 SMALL = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 16}
-
-
-def build(make):
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return make()
 
 
 MODELS = {
@@ -52,7 +45,7 @@ FUSED = {
 @pytest.mark.parametrize("model", list(MODELS))
 def test_found_and_named_kept_whole_by_default(model):
     name, layout, _, words = FUSED[model]
-    routing = route_parameters(build(MODELS[model]))
+    routing = route_parameters(built(MODELS[model]))
     route = next(r for r in routing.routes if r.name == name)
     assert (route.layout, route.blocks) == (layout, None)
     assert route.reason.endswith(f"; {words}, orthogonalised whole (split_fused=True splits it)"), route.reason
@@ -65,7 +58,7 @@ def test_split_each_block_steps_as_a_separate_layer(model):
     """``split_fused=True``: three Muon steps on the whole model equal a Muon over the same parameters with the
     fused tensor replaced by its blocks as separate parameters (same gradients), bit for bit."""
     name, layout, sizes, words = FUSED[model]
-    net = build(MODELS[model])
+    net = built(MODELS[model])
     routing = route_parameters(net, split_fused=True)
     route = next(r for r in routing.routes if r.name == name)
     assert route.blocks == sizes and f"{words}: each block orthogonalised" in route.reason
@@ -106,7 +99,7 @@ def test_split_each_block_steps_as_a_separate_layer(model):
 
 def test_interleaved_gate_up_is_named_and_kept_whole():
     """GPT-OSS interleaves gate and up columns (``gate_up[..., ::2]``): no contiguous blocks to split."""
-    net = build(lambda: GptOssForCausalLM(GptOssConfig(intermediate_size=24, num_local_experts=4,
+    net = built(lambda: GptOssForCausalLM(GptOssConfig(intermediate_size=24, num_local_experts=4,
                                                        num_experts_per_tok=2, head_dim=8,
                                                        layer_types=["full_attention"], **SMALL)))
     route = next(r for r in route_parameters(net, split_fused=True).routes
@@ -115,7 +108,7 @@ def test_interleaved_gate_up_is_named_and_kept_whole():
 
 
 def test_a_pattern_sets_or_turns_off_a_layout():
-    net = build(MODELS["gpt2"])
+    net = built(MODELS["gpt2"])
     routing = route_parameters(net, split_fused=True, matrix_blocks={"*c_attn.weight": None,
                                                                      "*mlp.c_fc.weight": [64, 64]})
     routes = {r.name: r for r in routing.routes}
@@ -142,13 +135,13 @@ ERRORS = [
 @pytest.mark.parametrize(("kwargs", "pattern"), ERRORS, ids=["sum", "adamw", "no-match", "torch-muon"])
 def test_blocks_that_cannot_be_are_refused_with_the_fix(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
-        route_parameters(build(MODELS["gpt2"]), **kwargs)
+        route_parameters(built(MODELS["gpt2"]), **kwargs)
 
 
 def test_muon_with_adamw_takes_the_split_with_the_model_only():
     from lightning_muon import MuonWithAdamW
 
-    net = build(MODELS["gpt2"])
+    net = built(MODELS["gpt2"])
     opt = MuonWithAdamW.from_model(net, split_fused=True)
     muon = next(g for g in opt.param_groups if g["algorithm"] == "muon")
     blocks = dict(zip(muon["param_names"], muon["matrix_blocks"], strict=True))

@@ -10,8 +10,6 @@ read is refused by name."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from litgpt import GPT, Config
@@ -23,13 +21,7 @@ from lightning_muon.examples.char_gpt import GPT as CharGPTModel
 from lightning_muon.optim.groups import block_dim
 from lightning_muon.routing import route_parameters
 
-
-def build(make):
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return make()
-
+from helpers import built
 
 MODELS = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
@@ -78,7 +70,7 @@ OUTPUT = {"llama": "model.layers.0.self_attn.o_proj.weight", "gpt2": "transforme
 
 @pytest.mark.parametrize("model", list(MODELS))
 def test_the_blocks_are_the_heads(model):
-    routing = route_parameters(build(MODELS[model]), split_heads=True)
+    routing = route_parameters(built(MODELS[model]), split_heads=True)
     blocks = {r.name: r.blocks for r in routing.routes if r.blocks is not None}
     assert blocks == HEADS[model]
     routes = {r.name: r for r in routing.routes}
@@ -86,7 +78,7 @@ def test_the_blocks_are_the_heads(model):
     name, words = WORDS[model]
     assert routes[name].reason.endswith(words), routes[name].reason
     assert words[2:] in routing.plain_table()  # the table says it
-    unsplit = route_parameters(build(MODELS[model]))  # off by default: the heads are not read
+    unsplit = route_parameters(built(MODELS[model]))  # off by default: the heads are not read
     assert all(r.blocks is None for r in unsplit.routes)
 
 
@@ -98,7 +90,7 @@ def layouts_of(group):
 def test_each_head_steps_as_a_separate_parameter(model):
     """Three Muon steps with ``split_heads`` equal a Muon over the same parameters with each split tensor replaced
     by one parameter per head (same gradients), bit for bit."""
-    net = build(MODELS[model])
+    net = built(MODELS[model])
     routing = route_parameters(net, split_heads=True)
     split_params, reference_groups = {}, []
     for group in routing.muon_groups:
@@ -139,7 +131,7 @@ def test_each_head_steps_as_a_separate_parameter(model):
 
 
 def test_a_pattern_decides_over_split_heads():
-    net = build(MODELS["llama"])
+    net = built(MODELS["llama"])
     routing = route_parameters(net, split_heads=True, matrix_blocks={"*q_proj.weight": None,
                                                                      "*v_proj.weight": [16]})
     routes = {r.name: r for r in routing.routes}
@@ -151,7 +143,7 @@ def test_a_pattern_decides_over_split_heads():
 
 def test_split_heads_implies_the_fused_split_first():
     """With both switches, a fused qkv is split by projection and then by head, never into q, k, v alone."""
-    net = build(MODELS["litgpt"])
+    net = built(MODELS["litgpt"])
     routes = {r.name: r for r in route_parameters(net, split_heads=True, split_fused=True).routes}
     assert routes["transformer.h.0.attn.qkv.weight"].blocks == (8,) * 8
 
@@ -184,11 +176,11 @@ def test_an_attention_whose_heads_cannot_be_read_is_refused_by_name():
 def test_a_muon_class_that_cannot_split_refuses_it():
     with pytest.raises(ValueError, match=r"split_heads splits `model.layers.0.self_attn.q_proj.weight` into blocks, "
                                          r"which torch.optim.Muon cannot do"):
-        route_parameters(build(MODELS["llama"]), split_heads=True, muon_nd=False)
+        route_parameters(built(MODELS["llama"]), split_heads=True, muon_nd=False)
 
 
 def test_muon_with_adamw_takes_it_with_a_model():
-    net = build(MODELS["llama"])
+    net = built(MODELS["llama"])
     opt = MuonWithAdamW.from_model(net, split_heads=True)
     (muon_group,) = [g for g in opt.param_groups if g["algorithm"] == "muon"]
     held = {n: b for n, b in zip(muon_group["param_names"], muon_group["matrix_blocks"], strict=True) if b}
@@ -200,7 +192,7 @@ def test_muon_with_adamw_takes_it_with_a_model():
 def _heads_stepped() -> tuple[list[torch.Tensor], str]:
     """The shipped GPT routed with ``split_heads``, two Muon steps on seeded gradients (the same on every rank, as
     after DDP's all-reduce): its Muon matrices, and the path the Newton-Schulz work took."""
-    routing = route_parameters(build(MODELS["char_gpt"]), split_heads=True)
+    routing = route_parameters(built(MODELS["char_gpt"]), split_heads=True)
     opt = Muon(routing.muon_groups, lr=0.02, weight_decay=0.1, ns_dtype=torch.float32)
     params = [p for group in opt.param_groups for p in group["params"]]
     g = torch.Generator().manual_seed(1)
