@@ -184,9 +184,11 @@ def run(out: Path, args: argparse.Namespace) -> tuple[dict[str, float], dict[tup
     return plan.targets, lines
 
 
-def model_rows(model: str, sides: Sequence[str], out: Path, target: float) -> tuple[list[list[str]], list[str]]:
+def model_rows(model: str, sides: Sequence[str], out: Path, target: float, updates: int
+               ) -> tuple[list[list[str]], list[str]]:
     """One row per side (the reference, the defaults, then the parts), and the edge notes. Each part's effect pairs
-    each seed with the defaults' same seed (the same initialisation and batches, each side at its own best lr)."""
+    each seed with the defaults' same seed (the same initialisation and batches, each side at its own best lr), over
+    the seeds both have."""
     names = [f"{model}_{side}" for side in sides]
     runs = _tuned.read_sides(out / model, names)
     _, results = outcomes(runs, baseline=names.index(f"{model}_defaults"), target=target)
@@ -198,12 +200,12 @@ def model_rows(model: str, sides: Sequence[str], out: Path, target: float) -> tu
         if result is base or side == "adamw":
             effect = "–"
         else:
-            loss = result.curve.final - base.curve.final
-            paired = steps - base_steps
+            both = min(len(steps), len(base_steps))
+            loss, paired = (result.curve.final - base.curve.final)[:both], (steps - base_steps)[:both]
             effect = (f"{np.nanmean(paired):+.0f} steps ({', '.join(f'{d:+.0f}' for d in paired)}); "
                       f"{loss.mean():+.4f} ({', '.join(f'{d:+.4f}' for d in loss)})")
         lrs = ", ".join(f"{lr:g}" for lr in run_.grid)
-        rows.append([model, config(model, side, 1)[1] if side != "defaults" else "Muon's defaults",
+        rows.append([model, config(model, side, updates)[1] if side != "defaults" else "Muon's defaults",
                      f"{result.lr:g} (of {lrs})", str(len(run_.seeds)), result.steps.text(),
                      spread(result.curve.final), effect])
     return rows, [f"{model}: {note}" for note in edge_notes(runs)]
@@ -232,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         logs = out / model / "lightning_logs"
         _tuned.compare([], out / model, ["--baseline", f"{model}_defaults", "--target", f"{targets[model]:.6g}",
                                          "--from-logs", *(str(logs / f"{model}_{s}") for s in args.sides)])
-    rows, notes = zip(*(model_rows(m, args.sides, out, targets[m]) for m in args.models), strict=True)
+    rows, notes = zip(*(model_rows(m, args.sides, out, targets[m], args.steps) for m in args.models), strict=True)
     header = ["model", "side", "best lr (swept)", "seeds", "steps to target", "final val loss",
               "minus the defaults' (per seed): steps; final val loss"]
     table = _tuned.markdown_table(header, rows)
