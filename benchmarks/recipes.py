@@ -241,7 +241,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     elapsed = time.perf_counter() - started
     report = "\n".join([
         "# Recipes beyond one lr: steps to tuned AdamW's loss, each part added to Muon's defaults", "",
-        _tuned.run_line(args.threads, args.jobs, load_before, elapsed), "",
+        _tuned.run_line(args.threads, args.jobs, load_before, elapsed) + " The compare commands into each model's "
+        "directory took " + ", ".join(f"{m} {_tuned.seconds(out / m) / 60:.0f} min" for m in args.models)
+        + " in all (with `--reuse`, those of the earlier runs too).", "",
         f"Each model trained from scratch on the standard library's bytes, {args.steps} steps a fit; each side's lr "
         f"(Muon's; the reference's AdamW lr) swept x{{{args.multipliers}}} its config's at seed 0 (a best lr at an "
         f"end of the grid followed by up to {_tuned.EXTEND} more past it), then seeds 0–{args.seeds - 1} at its "
