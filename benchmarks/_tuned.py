@@ -141,3 +141,21 @@ def keep(out: Path, name: str, directories: Sequence[str], report: str) -> None:
     shutil.copytree(out / "configs", kept / "configs", dirs_exist_ok=True)
     _report.write_markdown(name, report + "\n")
     print(f"Wrote {_report.RESULTS / f'{name}.md'} and its section of {_report.RESULTS_MD}")
+
+
+def markdown_table(header: Sequence[str], groups: Sequence[Sequence[Sequence[str]]]) -> str:
+    """A markdown table: ``header``, then the rows of every group in order."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(row) + " |" for rows in groups for row in rows])
+
+
+def run_line(threads: int, jobs: int, load_before: Sequence[float], elapsed: float, shared: str = "") -> str:
+    """A study report's machine line: the machine and torch threads a fit, the compare commands at a time, the load
+    average before and now (``shared``: a note after it), the date and how long the whole run took."""
+    import datetime
+
+    import _common
+
+    load = " ".join(f"{x:.2f}" for x in load_before), " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"Machine: {_common.machine(threads)} a fit, {jobs} compare commands at a time; load average {load[0]} "
+            f"before, {load[1]} after{shared}; {datetime.date.today()}. The whole run took {elapsed / 60:.1f} min.")

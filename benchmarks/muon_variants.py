@@ -23,7 +23,6 @@ from all the runs (``compare --from-logs``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shlex
 import sys
@@ -37,8 +36,6 @@ import _tuned
 from third_party import MODELS, TEXT, TRAINER
 
 from lightning_muon.commands.compare.aggregate import edge_notes, spread
-
-import _common
 
 MOE = dict(what="transformers `Qwen3MoeForCausalLM` (8 SwiGLU experts of width 128, top 2, fused `gate_up_proj` "
                 "stacks; no load-balancing loss), 2 layers, width 128",
@@ -179,14 +176,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows, notes = zip(*(study_rows(name, out) for name in args.studies), strict=True)
     header = ["model", "option", "best Muon lr (swept)", "seeds", "final val loss", "minus plain Muon's (per seed)",
               "train time", "train time / plain Muon's"]
-    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                      + ["| " + " | ".join(r) + " |" for group in rows for r in group])
+    table = _tuned.markdown_table(header, rows)
     elapsed = time.perf_counter() - started
     report = "\n".join([
         f"# {TITLES.get(args.name, 'Update-rule options: each against plain Muon, each side tuned')}", "",
-        f"Machine: {_common.machine(args.threads)} a fit, {args.jobs} compare commands at a time; load average "
-        f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
-        f"after; {datetime.date.today()}. The whole run took {elapsed / 60:.1f} min.", "",
+        _tuned.run_line(args.threads, args.jobs, load_before, elapsed), "",
         f"Each model trained from scratch on the standard library's bytes, {args.steps} steps a fit (batch 32 x 128 "
         f"bytes); each side's Muon lr swept x{{{args.multipliers}}} around 0.02 at seed 0 (a best lr at an end of the "
         f"grid followed by up to {_tuned.EXTEND} more past it), then seeds 0–{args.seeds - 1} at its best; AdamW "

@@ -18,7 +18,6 @@ from all the runs (``compare --from-logs``).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import shlex
 import sys
@@ -32,8 +31,6 @@ import _tuned
 from third_party import IMAGES, TEXT, TRAINER
 
 from lightning_muon.commands.compare.aggregate import edge_notes, spread
-
-import _common
 
 EX = "lightning_muon.examples.torch_layers"
 #: The depthwise kernels of `SeparableCNN` (the first conv of each block).
@@ -143,16 +140,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows, notes = zip(*(study_rows(name, out) for name in args.studies), strict=True)
     header = ["study", "side", "best Muon lr (swept)", "seeds", "final val loss", "minus the first side's (per seed)",
               "train time"]
-    table = "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                      + ["| " + " | ".join(r) + " |" for group in rows for r in group])
+    table = _tuned.markdown_table(header, rows)
     elapsed = time.perf_counter() - started
     steps = {name: args.steps or STUDIES[name]["steps"] for name in args.studies}
     report = "\n".join([
         "# torch's layers: depthwise kernels per group, an LSTM's gates split, each side tuned", "",
-        f"Machine: {_common.machine(args.threads)} a fit, {args.jobs} compare commands at a time; load average "
-        f"{' '.join(f'{x:.2f}' for x in load_before)} before, {' '.join(f'{x:.2f}' for x in os.getloadavg())} "
-        f"after (other work shared the machine: train times are noisy); {datetime.date.today()}. The whole run took "
-        f"{elapsed / 60:.1f} min.", "",
+        _tuned.run_line(args.threads, args.jobs, load_before, elapsed,
+                        shared=" (other work shared the machine: train times are noisy)"), "",
         "Each model trained from scratch, "
         + ", ".join(f"{name} {count} steps a fit" for name, count in steps.items())
         + f"; each side's Muon lr swept x{{{args.multipliers}}} around 0.02 at seed 0 (a best lr at an end of the "

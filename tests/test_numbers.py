@@ -101,6 +101,16 @@ FIGURES = [
     ("docs/explanations/how-muon-works.md", "Polar Express in bf16 ended at 1.9511 ± 0.0080", "third_party.md"),
     ("docs/guides/worth-it.md", "Muon reached AdamW's final val loss 2.2508 after step 104 and\nby step 106 (1.9%)",
      "compare_target/comparison.md"),
+    ("docs/guides/worth-it.md", "| 105 ± 0 | 1.6192 ± 0.0256 |", "recipes.md"),
+    ("docs/guides/worth-it.md", "| 104 ± 1 | 1.5786 ± 0.0152 | -0.0406 (-0.0332, -0.0479) |", "recipes.md"),
+    ("docs/guides/worth-it.md", "| 166 ± 5 | 1.5028 ± 0.0130 |", "recipes.md"),
+    ("docs/guides/worth-it.md", "| 176 ± 33 | 1.4614 ± 0.0173 | -0.0414 (-0.0444, -0.0383) |", "recipes.md"),
+    ("docs/guides/worth-it.md", "(the target: 2.2012) | 0.00075 | 300 | 2.2012 ± 0.0128", "recipes.md"),
+    ("docs/guides/worth-it.md", "(the target: 1.7123) | 0.0015 | 300 | 1.7123 ± 0.0137", "recipes.md"),
+    ("configs/gpt_muon_recipe.yaml", "1.5786 ± 0.0152 against gpt_muon.yaml's 1.6192 ± 0.0256", "recipes.md"),
+    ("configs/gpt_muon_recipe.yaml", "(-0.0332, -0.0479)", "recipes.md"),
+    ("configs/gpt_muon_recipe.yaml", "-0.0414 (-0.0444, -0.0383)", "recipes.md"),
+    ("docs/benchmarks.md", "GPT -0.0406 (-0.0332, -0.0479), Llama -0.0414 (-0.0444, -0.0383)", "recipes.md"),
 ]
 #: Statements that were true once, or never, and were quoted after the code, the config or the results file changed:
 #: (the words, matched across line breaks on every page, the README and the docstrings, why they are wrong). Add the
