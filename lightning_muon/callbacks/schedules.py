@@ -12,12 +12,14 @@ bit for bit where the uninterrupted fit ends. `MuonMonitor` logs the values they
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -118,6 +120,7 @@ class MomentumSchedule(_GroupSchedule):
         end: the momentum of the last update, with ``cooldown_steps``.
         cooldown_steps: updates at the end of the fit over which it falls to ``end``; 0 for none.
         total_steps: the fit's length in updates for the cooldown; ``None``: ``trainer.estimated_stepping_batches``.
+            A fit longer than it is warned about (the cooldown would end before the fit does).
 
     Examples:
         ```python
@@ -159,6 +162,13 @@ class MomentumSchedule(_GroupSchedule):
             raise MisconfigurationException(
                 f"MomentumSchedule: warmup_steps={self.warmup_steps} and cooldown_steps={self.cooldown_steps} "
                 f"overlap in a fit of {self._total} updates: shorten them, or give a longer total_steps."
+            )
+        updates = trainer.estimated_stepping_batches
+        if self.cooldown_steps and self.total_steps is not None and math.isfinite(updates) and updates > self._total:
+            rank_zero_warn(
+                f"MomentumSchedule: total_steps={self._total} is shorter than this fit's {int(updates)} updates: the "
+                f"cooldown ends at update {self._total} and the momentum stays at end={self.end} after it. Give "
+                f"total_steps={int(updates)}, or leave it None to end with the fit."
             )
 
     @override

@@ -201,3 +201,17 @@ def test_a_warmup_and_cooldown_that_overlap_are_refused_before_training(tmp_path
 def test_weight_decay_schedule_refuses_a_bare_name():
     with pytest.raises(MisconfigurationException, match=r"optimizers must be a list of names"):
         WeightDecaySchedule(optimizers="muon")  # type: ignore[arg-type]
+
+
+def test_a_total_steps_shorter_than_the_fit_is_warned_about(tmp_path):
+    """A config's ``total_steps`` left behind when ``max_steps`` grew: the cooldown would end mid-fit."""
+    schedule = MomentumSchedule(warmup_steps=1, end=0.5, cooldown_steps=1, total_steps=4)
+    with pytest.warns(UserWarning, match=r"total_steps=4 is shorter than this fit's 8 updates: the cooldown ends at "
+                                         r"update 4 and the momentum stays at end=0\.5 after it"):
+        settings, _, _ = mixin_fit(tmp_path, [schedule], max_steps=8)
+    assert muon_momenta(settings) == [0.85, 0.95, 0.95, 0.5, 0.5, 0.5, 0.5, 0.5]  # as it warned
+
+
+def test_a_total_steps_as_long_as_the_fit_is_not_warned_about(tmp_path, recwarn):
+    mixin_fit(tmp_path, [MomentumSchedule(warmup_steps=1, end=0.5, cooldown_steps=1, total_steps=8)], max_steps=8)
+    assert not [w for w in recwarn if "MomentumSchedule" in str(w.message)]
