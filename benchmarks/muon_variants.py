@@ -4,8 +4,9 @@ transformers' Qwen3-MoE, the fused projections split per block on GPT-2 (``c_att
 (``qkv``: unequal blocks under grouped-query attention). The shipped GPT's comparison is
 ``results/muon_variants/`` (one ``lightning-muon compare`` command, in its report). Issue 48's studies, run with
 ``--studies``: AOL Newton-Schulz at 4 steps on the shipped GPT (``gpt_aol``, ``--name aol_trained``), and its fused
-``qkv`` split per projection and per head by hand (``gpt_heads``; GPT-2's ``c_attn``: ``gpt2_heads``; ``--name
-heads_trained``). ``--tabulate`` reports runs fitted apart (the same fits, two at a time).
+``qkv`` split per projection and per head by hand (``gpt_heads``; GPT-2's ``c_attn``: ``gpt2_heads``; transformers'
+Llama, 4 query heads and 2 key/value heads, by ``split_heads``: ``llama_heads``; ``--name heads_trained``).
+``--tabulate`` reports runs fitted apart (the same fits, two at a time).
 
 Each model's sides are configs this writes (the model from `lightning_muon.examples.third_party`, the Muon
 settings of the shipped configs, the library's default Newton-Schulz dtype); each study is one run of the real
@@ -68,6 +69,7 @@ OPTIONS: dict[str, tuple[str, dict[str, Any] | Callable[[dict[str, Any]], dict[s
                 {"model": {"muon_params": ["*.mlp.gate.weight"]}}),
     "projections": ("fused q, k, v split per projection, `matrix_blocks` (3 blocks of 128)", blocks("projections")),
     "heads": ("fused q, k, v split one block a head, `matrix_blocks` (12 blocks of 32)", blocks("heads")),
+    "split_heads": ("attention heads one block each, `split_heads: true`", {"model": {"split_heads": True}}),
     "aol4": ("AOL Newton-Schulz, 4 steps, `ns_steps: 4, ns_precondition: aol`",
              {"muon": {"ns_steps": 4, "ns_precondition": "aol"}}),
     "aol4_turbo": ("AOL, 4 steps, Turbo-Muon's coefficients, `ns_coefficients: turbo_muon`",
@@ -82,6 +84,7 @@ STUDIES: dict[str, dict[str, Any]] = {
     "gpt_aol": dict(spec=GPT, options=["muon", "aol4", "aol4_turbo"]),
     "gpt_heads": dict(spec=GPT, options=["muon", "projections", "heads"]),
     "gpt2_heads": dict(spec=GPT2, options=["muon", "split", "heads"]),
+    "llama_heads": dict(spec=MODELS["llama"], options=["muon", "split_heads"]),
 }
 #: Each report's title, by its name (``--name``).
 TITLES = {"muon_variants_models": "Update-rule options on third-party models: each against plain Muon, each side tuned",

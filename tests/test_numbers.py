@@ -80,6 +80,10 @@ FIGURES = [
      "heads_trained.md"),
     ("docs/benchmarks.md", "per projection -0.0359 (-0.0223, -0.0494), per head -0.0317 (-0.0173, -0.0461)",
      "heads_trained.md"),
+    ("docs/guides/routing.md", "per head 1.6578 ± 0.0095, one seed below fused and one above (-0.0061, +0.0074), "
+     "per projection (`split_fused=True`) 1.6464 ± 0.0029, fused 1.6571 ± 0.0001", "heads_trained.md"),
+    ("docs/benchmarks.md", "per projection -0.0107 (-0.0087, -0.0126), per head +0.0006 (-0.0061, +0.0074)",
+     "heads_trained.md"),
     ("docs/guides/routing.md", "1.6348 ± 0.0002 against 1.6574 ± 0.0010", "muon_variants_models.md"),
     ("docs/guides/routing.md", "1.4867 ± 0.0182 against 1.4901 ± 0.0135", "muon_variants_models.md"),
     ("docs/benchmarks.md", "GPT-2 -0.0226 (-0.0220, -0.0232), litgpt's GQA qkv -0.0001, Qwen3-MoE's `gate_up_proj` "

@@ -204,7 +204,11 @@ def test_the_studies_configs_build_through_the_real_cli(tmp_path):
         if "_aol4" in name:  # AOL Newton-Schulz at 4 steps, with Turbo-Muon's coefficients on the turbo side
             assert (muon_args["ns_precondition"], muon_args["ns_steps"]) == ("aol", 4), name
             assert (muon_args["ns_coefficients"] == "turbo_muon") is name.endswith("_turbo"), name
-        if name.endswith(("_projections", "_heads")):  # the fused q, k, v by hand: 3 blocks, or one a head
+        if name.endswith("_split_heads"):  # the option: Llama's 4 query heads and 2 key/value heads, one block each
+            blocks = {r.name.split(".")[-2]: list(r.blocks) for r in cli.model.muon_routing().routes if r.blocks}
+            assert cli.model.hparams["split_heads"] is True, name
+            assert blocks == {"q_proj": [32] * 4, "k_proj": [32] * 2, "v_proj": [32] * 2}, (name, blocks)
+        elif name.endswith(("_projections", "_heads")):  # the fused q, k, v by hand: 3 blocks, or one a head
             blocks = {r.name: r.blocks for r in cli.model.muon_routing().routes if r.blocks}
             sizes = [128] * 3 if name.endswith("_projections") else [32] * 12
             assert blocks and all(list(b) == sizes for b in blocks.values()), (name, blocks)
