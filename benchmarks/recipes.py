@@ -22,6 +22,7 @@ of all the sides from their logs (``compare --from-logs ... --baseline MODEL_def
     python benchmarks/recipes.py --write     # ~3 h of fits on 2 cores (two compare commands at a time)
     python benchmarks/recipes.py --models llama --sides adamw defaults --steps 20 --seeds 1 --multipliers 1 \
         --out /tmp/rc  # a trial
+    python benchmarks/recipes.py --no-fit --write  # tabulate each model's sides fitted so far, fitting nothing
 """
 
 from __future__ import annotations
@@ -155,17 +156,24 @@ def fit_side(model: str, side: str, out: Path, args: argparse.Namespace, target:
               *(["--target", f"{target:.6g}"] if target is not None else [])]
     sweep = ["--multipliers", args.multipliers, "--seeds", str(args.seeds)]
     into = out / model
-    if not (args.reuse and (into / "lightning_logs" / path.stem).is_dir()):
+    if not args.no_fit and not (args.reuse and (into / "lightning_logs" / path.stem).is_dir()):
         _tuned.compare([path], into, [*sweep, *common], args.threads)
         _tuned.extend_edges([path], into, args.seeds, common, args.threads, label=model)
     return ["lightning-muon", "compare", _tuned.relative(path), *sweep, *common, "--out", _tuned.relative(into)]
 
 
+def fitted(out: Path, model: str, side: str) -> bool:
+    """Whether ``model``'s ``side`` has fits in ``out``."""
+    return (out / model / "lightning_logs" / f"{model}_{side}").is_dir()
+
+
 def run(out: Path, args: argparse.Namespace) -> tuple[dict[str, float], dict[tuple[str, str], list[str]]]:
     """Fit every side (``args.jobs`` compare commands at a time, the references first); returns each model's
     target and each side's command line."""
-    plan = Plan([(m, s) for s in ("adamw", "defaults", "momentum") if s in args.sides for m in args.models]
-                + [(m, s) for m in args.models[::-1] for s in args.sides if s not in ("adamw", "defaults", "momentum")])
+    plan = Plan([(m, s) for m, s in
+                 [(m, s) for s in ("adamw", "defaults", "momentum") if s in args.sides for m in args.models]
+                 + [(m, s) for m in args.models[::-1] for s in args.sides if s not in ("adamw", "defaults", "momentum")]
+                 if not args.no_fit or fitted(out, m, s)])
     lines: dict[tuple[str, str], list[str]] = {}
 
     def worker() -> None:
@@ -217,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=SIDES)
     _tuned.add_study_options(parser, steps=300, multipliers_help="each side's lr sweep (default 0.5,1,2)")
     parser.add_argument("--reuse", action="store_true", help="keep the sides already fitted in --out")
+    parser.add_argument("--no-fit", action="store_true",
+                        help="fit nothing: tabulate each model's sides already fitted in --out")
     parser.add_argument("--write", action="store_true",
                         help="write benchmarks/results/recipes.md and its RESULTS.md section")
     parser.add_argument("--out", default=None, metavar="DIR",
@@ -230,11 +240,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"recipes: {args.models} x {args.sides}, {args.jobs} compare commands at a time; output in {out}/<model>/",
           flush=True)
     targets, lines = run(out, args)
+    sides = {m: [s for s in args.sides if (m, s) in lines] for m in args.models}
     for model in args.models:  # one report of all the model's sides
         logs = out / model / "lightning_logs"
         _tuned.compare([], out / model, ["--baseline", f"{model}_defaults", "--target", f"{targets[model]:.6g}",
-                                         "--from-logs", *(str(logs / f"{model}_{s}") for s in args.sides)])
-    rows, notes = zip(*(model_rows(m, args.sides, out, targets[m], args.steps) for m in args.models), strict=True)
+                                         "--from-logs", *(str(logs / f"{model}_{s}") for s in sides[model])])
+    rows, notes = zip(*(model_rows(m, sides[m], out, targets[m], args.steps) for m in args.models), strict=True)
     header = ["model", "side", "best lr (swept)", "seeds", "steps to target", "final val loss",
               "minus the defaults' (per seed): steps; final val loss"]
     table = _tuned.markdown_table(header, rows)
