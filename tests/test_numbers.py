@@ -84,6 +84,10 @@ FIGURES = [
      "per projection (`split_fused=True`) 1.6464 ± 0.0029, fused 1.6571 ± 0.0001", "heads_trained.md"),
     ("docs/benchmarks.md", "per projection -0.0107 (-0.0087, -0.0126), per head +0.0006 (-0.0061, +0.0074)",
      "heads_trained.md"),
+    ("docs/guides/routing.md", "per head 1.4947 ± 0.0098 against 1.5028 ± 0.0130,\nbelow on both seeds "
+     "(-0.0058, -0.0104)", "heads_trained.md"),
+    ("docs/benchmarks.md", "`split_heads: true`, best lr 0.01 for both): -0.0081 (-0.0058, -0.0104)",
+     "heads_trained.md"),
     ("docs/guides/routing.md", "1.6348 ± 0.0002 against 1.6574 ± 0.0010", "muon_variants_models.md"),
     ("docs/guides/routing.md", "1.4867 ± 0.0182 against 1.4901 ± 0.0135", "muon_variants_models.md"),
     ("docs/benchmarks.md", "GPT-2 -0.0226 (-0.0220, -0.0232), litgpt's GQA qkv -0.0001, Qwen3-MoE's `gate_up_proj` "
