@@ -96,7 +96,7 @@ FIGURES = [
      "before) 0.0840 ± 0.0372, on AdamW 0.0910 ± 0.0290", "torch_layers.md"),
     ("docs/guides/routing.md", "split per gate 1.6169 ± 0.0129 against fused 1.6380 ± 0.0018, lower on both seeds "
      "(-0.0290, -0.0133)", "torch_layers.md"),
-    ("docs/benchmarks.md", "116 s wall at a load average of 1.0-1.8", "device_check_cpu.md"),
+    ("docs/benchmarks.md", "94 s wall at a load average of 0.8-1.4", "device_check_cpu.md"),
     ("docs/explanations/how-muon-works.md", "(0.0001 to 0.6080 after the scaling)", "newton_schulz_spectrum.md"),
     ("docs/explanations/how-muon-works.md", "lie in the band 0.68..1.13", "newton_schulz_spectrum.md"),
     ("docs/explanations/how-muon-works.md", "lifts it only to 0.0493 (0.1029 in bf16)", "newton_schulz_spectrum.md"),
@@ -134,7 +134,7 @@ STALE = [
     ("ns_dtype: float32", "no shipped config sets ns_dtype: the hardware decides (configs/gpt_muon.yaml)"),
     ("orthogonalises in bf16 by default", "ns_dtype=None: bf16 where native, float32 where emulated"),
     ("bf16, the default of all of them", "lightning_muon.Muon's default dtype follows the hardware"),
-    ("33 min wall", "device_check_cpu.md's run on a loaded machine, measured again at 116 s"),
+    ("33 min wall", "device_check_cpu.md's run on a loaded machine, measured again at 94 s"),
     ("none has been made yet", "the fused-projection split was measured (muon_variants/comparison.md)"),
     ("no measurement has shown the split", "the same, in route_parameters' docstring (the API page)"),
     ("a few times `1e-3`", "Keller Jordan's AdamW lr is 3e-4 (his muon.py, tests/test_migration.py)"),
