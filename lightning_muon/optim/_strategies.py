@@ -51,6 +51,7 @@ from lightning_muon.optim._collectives import (
 from lightning_muon.optim._plan import (
     Job,
     PlanCache,
+    assign_owners,
     exchange_rounds,
     in_bucket_order,
     plan_jobs,
@@ -387,11 +388,10 @@ def step_owned_blocks(buckets: Sequence[Bucket], world: World) -> tuple[int, int
     them and runs the group's rules on them (their state plain, whole on every rank: the owner's shared after by one
     all-reduce); every rank gets its part of the result back and applies it block by block, each with its own lr.
     Returns the bytes this rank sent and the Newton-Schulz FLOPs it ran."""
-    loads, owners = [0] * world.size, []
-    for bucket in buckets:  # the same on every rank: the fewest FLOPs so far, counted block by block
-        owners.append(min(range(world.size), key=lambda r: (loads[r], r)))
-        n = bucket.shape[1]
-        loads[owners[-1]] += sum(bucket._replace(shape=(size, n)).flops for size in bucket.blocks or ())
+    # Newton-Schulz FLOPs of each parameter, counted block by block; owners as every sharded job's (the same on
+    # every rank).
+    costs = [sum(b._replace(shape=(size, b.shape[1])).flops for size in b.blocks or ()) for b in buckets]
+    owners = assign_owners(costs, world.size)
     local = [bucket.local() for bucket in buckets]
     updates = [[_update.momentum(part)[0]] for part in local]
     sending = [bucket.exchange_layout for bucket in buckets]
@@ -406,7 +406,7 @@ def step_owned_blocks(buckets: Sequence[Bucket], world: World) -> tuple[int, int
         _apply_blocks(bucket, part, mine[j][0], returning[j].parts(0, world.size)[world.rank][0])
     sent = sum(u[0].numel() * layout.dtype.itemsize for u, layout in zip(updates, sending, strict=True))
     sent += sum(r.numel() * r.element_size() for r in results.values())
-    return sent, loads[world.rank]
+    return sent, sum(cost for cost, owner in zip(costs, owners, strict=True) if owner == world.rank)
 
 
 def _chunks(buckets: Sequence[Bucket], limit: int) -> list[list[Bucket]]:
