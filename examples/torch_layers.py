@@ -4,8 +4,8 @@ library's sources (recurrent gates). The routing's measurements of both are ``be
 
 `SeparableCNN` and `CharLSTM` are ordinary LightningModules; `MuonSeparableCNN` and `MuonCharLSTM` train them with
 Muon + AdamW by the routing's rules: each group of a grouped kernel orthogonalised alone, an LSTM's four gates
-stacked in the rows of its ``weight_ih_l*``/``weight_hh_l*`` named in the table (``split_fused=True`` splits
-them)::
+stacked in the rows of its ``weight_ih_l*``/``weight_hh_l*`` orthogonalised one gate at a time, as the table
+says::
 
     lightning-muon inspect --config CONFIG   # a config whose model is one of these: the table
 """

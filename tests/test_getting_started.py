@@ -40,8 +40,8 @@ def test_the_readme_shows_the_page_s_ten_lines_and_result_line():
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     """The ten lines and the monitor's read-back, run as written but for the length (4 updates, a validation
-    every 2, a 200 kB corpus in a fresh cache) and the routing table in plain columns (as without rich): what
-    they print, log and warn."""
+    every 2, a 200 kB corpus in a fresh cache) and the routing table in plain columns (as without rich), its
+    reasons wrapped to fit the page's 100: what they print, log and warn."""
     import contextlib
     import io
     import logging
@@ -61,7 +61,7 @@ def first_run(tmp_path_factory):
         "enable_progress_bar": False}))
     patch.setattr(char_gpt, "StdlibTextDataModule", functools.partial(
         char_gpt.StdlibTextDataModule, max_bytes=200_000, cache_dir=str(work / "cache")))
-    patch.setattr(Routing, "render", lambda self, effective_lr=None, width=140: self.plain_table(effective_lr))
+    patch.setattr(Routing, "render", lambda self, effective_lr=None, width=140: self.plain_table(effective_lr, 100))
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]

@@ -306,16 +306,18 @@ def test_a_default_is_spelled_as_the_pages_write_it():
 
 def test_the_options_said_off_by_default_are_off():
     """The optimizer guide: NorMuon and cautious weight decay "are off by default"; the routing guide: a fused
-    projection "stays one matrix" by default; the shipped configs set no ``ns_dtype`` (the hardware decides)."""
+    projection's equal q, k, v blocks are split by default (``split_fused=None``); the shipped configs set no
+    ``ns_dtype`` (the hardware decides)."""
     from lightning_muon import Muon, MuonMixin, MuonWithAdamW, route_parameters
 
     assert "Both are off by default" in (ROOT / "docs/guides/optimizer.md").read_text()
     for function in (Muon.__init__, MuonWithAdamW.__init__):
         assert keyword_defaults(function)["normuon_beta2"] is None
         assert keyword_defaults(function)["cautious_weight_decay"] is False
-    assert "By default it stays one matrix" in spaced((ROOT / "docs/guides/routing.md").read_text())
-    assert keyword_defaults(MuonMixin.__init__)["split_fused"] is False
-    assert keyword_defaults(MuonWithAdamW.__init__)["split_fused"] is False
+    said = "By default (`split_fused=None`) a fused q, k, v of equal blocks is split"
+    assert said in spaced((ROOT / "docs/guides/routing.md").read_text())
+    for function in (MuonMixin.__init__, MuonWithAdamW.__init__, route_parameters):
+        assert keyword_defaults(function)["split_fused"] is None
     routing_page = spaced((ROOT / "docs/guides/routing.md").read_text())
     assert "`split_heads=True` (off by default: measured no better than a split per projection)" in routing_page
     for function in (MuonMixin.__init__, MuonWithAdamW.__init__, route_parameters):

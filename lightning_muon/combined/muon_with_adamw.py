@@ -98,7 +98,8 @@ class MuonWithAdamW(Optimizer):
         cautious_weight_decay: Muon decays an entry only where its update moves it toward zero.
         muon_params: glob patterns of parameter names forced onto Muon (a model only).
         adamw_params: glob patterns of parameter names forced onto AdamW (a model only).
-        split_fused: orthogonalise each block of a fused projection on its own (a model only).
+        split_fused: orthogonalise each block of a fused projection on its own, ``None``: equal q, k, v blocks
+            only (the default; a model only; `route_parameters`).
         split_heads: orthogonalise each attention head of q, k and v on its own (a model only; `route_parameters`).
         matrix_blocks: glob pattern -> row-block sizes of those Muon matrices, ``None``: whole (a model only).
         group_settings: group name -> its own ``lr``/``weight_decay``/``betas``/``eps``/``momentum`` (a model only).
@@ -143,7 +144,7 @@ class MuonWithAdamW(Optimizer):
         cautious_weight_decay: bool = PAIRED_MUON.cautious_weight_decay,
         muon_params: Sequence[str] = (),
         adamw_params: Sequence[str] = (),
-        split_fused: bool = False,
+        split_fused: bool | None = None,
         matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
         group_settings: Mapping[str, Mapping[str, Any]] | None = None,
         split_heads: bool = False,

@@ -51,8 +51,9 @@ def _check_switches(parent_lr: object, split_fused: object, split_heads: object)
     """Refuse a switch of the mixin's that is not a bool (a YAML ``"yes"``, say)."""
     if not isinstance(parent_lr, bool):
         raise ValueError(f"parent_lr must be True or False, got {parent_lr!r}")
-    if not isinstance(split_fused, bool):
-        raise ValueError(f"split_fused must be True or False, got {split_fused!r}")
+    if split_fused is not None and not isinstance(split_fused, bool):
+        raise ValueError(f"split_fused must be True, False or None (the default: equal q, k, v blocks split), got "
+                         f"{split_fused!r}")
     if not isinstance(split_heads, bool):
         raise ValueError(f"split_heads must be True or False, got {split_heads!r}")
 
@@ -79,7 +80,7 @@ class MuonConfig:
     max_consecutive_skips: int
     parent_lr: bool = False
     #: Orthogonalise the blocks of every fused projection the routing finds on their own (`route_parameters`).
-    split_fused: bool = False
+    split_fused: bool | None = None
     #: Orthogonalise each attention head of q, k and v on its own (`route_parameters`' ``split_heads``).
     split_heads: bool = False
     #: Glob pattern -> the row-block sizes of those Muon parameters, or ``None`` to keep a found one whole.
@@ -108,7 +109,7 @@ class MuonConfig:
         gradient_clip_val: float | None,
         max_consecutive_skips: int,
         parent_lr: bool = False,
-        split_fused: bool = False,
+        split_fused: bool | None = None,
         matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
         group_settings: Mapping[str, Mapping[str, Any]] | None = None,
         split_heads: bool = False,

@@ -108,8 +108,9 @@ class MuonMixin(_LightningModuleBase):
             modules (TFT, N-BEATS, DeepAR) the mixin's own lrs reached a lower loss on two.
         split_fused: orthogonalise each block of a fused projection the routing finds (GPT-2's ``c_attn``,
             ``nn.MultiheadAttention``'s ``in_proj_weight``, litgpt's ``qkv``, fused MoE ``gate_up_proj``) on its
-            own, as separate layers would be; off by default (the routing table names them). An LSTM's or GRU's
-            gates are split whatever it says (measured better).
+            own, as separate layers would be (``True``), or each whole (``False``); ``None`` (the default) splits
+            equal q, k, v blocks only (measured better; `route_parameters`). The routing table names them. An
+            LSTM's or GRU's gates are split whatever it says (measured better).
         matrix_blocks: glob pattern -> row-block sizes of those Muon matrices (``{"*.qkv.weight": [64, 64, 64]}``),
             or ``None`` to keep a found one whole; the first matching pattern decides, over ``split_fused``.
         split_heads: orthogonalise each attention head of q, k and v on its own (`route_parameters`); off by
@@ -142,7 +143,7 @@ class MuonMixin(_LightningModuleBase):
         gradient_clip_val: float | None = None,
         max_consecutive_skips: int = 5,
         parent_lr: bool = False,
-        split_fused: bool = False,
+        split_fused: bool | None = None,
         matrix_blocks: dict[str, list[int] | None] | None = None,
         group_settings: dict[str, dict[str, Any]] | None = None,
         split_heads: bool = False,

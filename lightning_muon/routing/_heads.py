@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_muon.attention import UnsupportedAttentionError, find_attention
 
-__all__ = ["HeadBlocks", "head_blocks"]
+__all__ = ["HeadBlocks", "fused_attention", "head_blocks"]
 
 #: ``route_parameters(split_heads=True)`` on a model with an attention whose heads cannot be read.
 HEADS_UNREADABLE = (
@@ -60,6 +60,34 @@ def head_blocks(model: nn.Module, params: dict[str, Tensor], exclude: Sequence[s
                 span = (projection.offset, heads, what, site.layout.head_dim, projection.transposed)
                 spans.setdefault(name, []).append(span)
     return {name: _blocks(name, params[name], sorted(found)) for name, found in spans.items()}
+
+
+def fused_attention(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """The attention weights of ``model`` that hold several of q, k and v one after the other, by parameter name:
+    which (``"q, k, v"``) and their sizes along the output features, read where the heads are
+    (`lightning_muon.attention.find_attention`: a module's own ``qk_layout()`` too, like the shipped GPT's ``qkv``).
+    Only blocks that cover the weight end to end count. Nothing where an attention's heads cannot be read: the
+    routing then names the fused projections it finds by module type alone."""
+    try:
+        sites = find_attention(model)
+    except UnsupportedAttentionError:
+        return {}
+    params = {id(p): (name, p) for name, p in model.named_parameters()}
+    spans: dict[int, list[tuple[int, int, str, int]]] = {}
+    for site in sites:
+        for what, projection, heads in site.layout.projections():
+            span = (projection.offset, heads * site.layout.head_dim, what[0], projection.out_dim)
+            spans.setdefault(id(projection.weight), []).append(span)
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for key, held in spans.items():
+        held.sort()
+        ends = [offset + size for offset, size, _, _ in held]
+        contiguous = held[0][0] == 0 and [offset for offset, *_ in held[1:]] == ends[:-1]
+        if key in params and len(held) > 1 and contiguous:
+            name, weight = params[key]
+            if ends[-1] == weight.shape[held[0][3]]:
+                found[name] = (", ".join(letter for _, _, letter, _ in held), tuple(size for _, size, _, _ in held))
+    return found
 
 
 def _blocks(name: str, weight: Tensor, spans: list[tuple[int, int, str, int, bool]]) -> HeadBlocks:

@@ -118,7 +118,8 @@ class Routing:
         return _table.plain_table(self.routes, self.roles_from, effective_lr, width, self.group_settings)
 
     def render(self, effective_lr: Callable[[Route], float | None] | None = None, width: int = 140) -> str:
-        """The table as plain text: drawn by rich when it is installed, else `plain_table`."""
+        """The table as plain text in ``width`` columns: drawn by rich when it is installed, else `plain_table`
+        (its reasons wrapped)."""
         return _table.render(self.routes, self.roles_from, effective_lr, width, self.group_settings)
 
     def __str__(self) -> str:

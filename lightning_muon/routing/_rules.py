@@ -17,7 +17,7 @@ from torch.nn.parameter import is_lazy
 from lightning_muon.optim import groups
 from lightning_muon.optim._dtensor import fsdp1_wrapped
 from lightning_muon.routing import _roles
-from lightning_muon.routing._heads import HeadBlocks, head_blocks
+from lightning_muon.routing._heads import HeadBlocks, fused_attention, head_blocks
 from lightning_muon.routing._route import Route
 from lightning_muon.routing._routing import Routing
 from lightning_muon.routing._settings import check_group_settings
@@ -402,7 +402,7 @@ def route_parameters(
     adamw_params: Sequence[str] = (),
     muon_nd: bool = True,
     graph: GraphRoles | None = None,
-    split_fused: bool = False,
+    split_fused: bool | None = None,
     matrix_blocks: Mapping[str, Sequence[int] | None] | None = None,
     group_settings: Mapping[str, Mapping[str, Any]] | None = None,
     split_heads: bool = False,
@@ -420,8 +420,10 @@ def route_parameters(
         graph: what a training batch showed (`trace_roles`): output heads, input layers and hidden
             matrices, found from the computation. It decides for matrices after user patterns, module
             type and ties; the name and structure rules decide what it did not see.
-        split_fused: orthogonalise the blocks of every fused projection found (above) on their own (recurrent
-            layers' gates are split whatever it says).
+        split_fused: ``True``: orthogonalise the blocks of every fused projection found (below) on their own;
+            ``False``: each one whole; ``None`` (the default): split attention projections whose blocks are equal
+            (q, k and v of one width), keep grouped-query attention's unequal ones and MoE experts' gate and up
+            whole, and everything whole where ``muon_nd=False``. Recurrent layers' gates are split whatever it says.
         matrix_blocks: glob patterns on full parameter names -> the row-block sizes of those Muon parameters along
             their output dim (``{"*.c_attn.weight": [768, 768, 768]}``), or ``None`` to keep a found one fused;
             the first matching pattern decides, over ``split_fused`` and ``split_heads``.
@@ -436,10 +438,11 @@ def route_parameters(
             default (measured no better than a split per projection); on sharded parameters as on one process.
 
     Fused projections (``nn.MultiheadAttention``'s ``in_proj_weight``, GPT-2's ``c_attn``, litgpt's ``qkv``,
-    transformers' fused MoE ``gate_up_proj``) are found by module type and shape and named in the reason. With
-    ``split_fused`` each of their blocks is orthogonalised and lr-scaled as a separate layer's would be (the
-    Muon group's ``matrix_blocks``); by default they stay one matrix, as before (the split measured better on
-    GPT-style q, k, v: docs/guides/routing.md). The gates
+    transformers' fused MoE ``gate_up_proj``, an attention whose ``qk_layout()`` puts q, k and v in one weight)
+    are found by module type and shape and named in the reason. A split one has each block orthogonalised and
+    lr-scaled as a separate layer's would be (the Muon group's ``matrix_blocks``). By default the equal q, k, v
+    blocks are split: measured better than fused beyond the seeds' spread on the shipped GPT and GPT-2
+    (docs/guides/routing.md); ``split_fused=False`` keeps them whole, as 0.1 did. The gates
     ``nn.LSTM`` and ``nn.GRU`` (and their cells) stack in the rows of every ``weight_ih``/``weight_hh`` are split
     by default, measured better than fused (``benchmarks/torch_layers.py``;
     kept whole under ``torch.optim.Muon``, ``muon_nd=False``, which cannot split).
@@ -525,8 +528,8 @@ def route_parameters(
         routes.append(decision.route(name, tuple(p.shape)))
 
     per_head = _heads_of(module, trainable, aliases, dict(matrix_blocks or {})) if split_heads else {}
-    found = _Found(_roles.fused_projections(module), _roles.recurrent_gates(module), _roles.grouped_kernels(module),
-                   per_head)
+    fused = fused_attention(module) | _roles.fused_projections(module)
+    found = _Found(fused, _roles.recurrent_gates(module), _roles.grouped_kernels(module), per_head)
     routes = _with_blocks(routes, trainable, aliases, found, split_fused, dict(matrix_blocks or {}), muon_nd)
     routed = [r.name for r in routes]
     if sorted(routed) != sorted(trainable) or len(set(routed)) != len(routed):  # a bug here, never the user's
@@ -567,7 +570,7 @@ def _heads_of(module: nn.Module, params: dict[str, Tensor], aliases: dict[str, l
 
 
 def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[str, list[str]], found: _Found,
-                 split_fused: bool, patterns: dict[str, Sequence[int] | None], muon_nd: bool) -> list[Route]:
+                 split_fused: bool | None, patterns: dict[str, Sequence[int] | None], muon_nd: bool) -> list[Route]:
     """``routes`` with their row blocks: a grouped convolution's kernel split into its groups (always: each group
     is a layer's operator of its own), a recurrent layer's gates split (by default, where the Muon class can), any
     other fused projection's blocks named in the reason and split where ``split_fused`` says so; a
@@ -602,21 +605,33 @@ def _with_blocks(routes: list[Route], params: dict[str, Tensor], aliases: dict[s
         elif gates is not None and pattern is None:
             reason = _gates_reason(r.reason, gates, sizes)
         else:
-            reason = _blocks_reason(r.reason, fused, sizes, pattern)
+            reason = _blocks_reason(r.reason, fused, sizes, pattern, muon_nd)
         done.append(replace(r, reason=reason, blocks=sizes))
     return done
 
 
 def _found_sizes(shape: tuple[int, ...], groups: int | None, heads: HeadBlocks | None,
                  fused: tuple[str, tuple[int, ...] | None] | None, gates: tuple[str, tuple[int, ...]] | None,
-                 split_fused: bool, muon_nd: bool) -> tuple[int, ...] | None:
+                 split_fused: bool | None, muon_nd: bool) -> tuple[int, ...] | None:
     """The blocks no pattern gave: a grouped kernel's groups, else the heads (``split_heads``), else a fused
     projection's blocks where ``split_fused`` (or, for recurrent gates, the Muon class) says so."""
     if groups is not None:
         return (shape[0] // groups,) * groups
     if heads is not None:
         return heads.sizes
-    return fused[1] if fused is not None and (split_fused or (gates is not None and muon_nd)) else None
+    if fused is None or fused[1] is None:
+        return None
+    if gates is not None:
+        return fused[1] if muon_nd or split_fused else None
+    return fused[1] if split_fused or (split_fused is None and muon_nd and split_by_default(*fused)) else None
+
+
+def split_by_default(what: str, sizes: tuple[int, ...] | None) -> bool:
+    """Whether ``route_parameters(split_fused=None)`` (the default) splits a fused projection of ``what``
+    (``"q, k, v"``) into blocks of ``sizes``: attention projections of equal blocks (q, k and v of one width:
+    measured better split on the shipped GPT and GPT-2, docs/guides/routing.md), not grouped-query attention's
+    unequal ones (measured no better) nor MoE experts' gate and up (no better)."""
+    return set(what.split(", ")) <= {"q", "k", "v"} and sizes is not None and len(set(sizes)) == 1
 
 
 def _check_blocks(r: Route, p: Tensor, sizes: tuple[int, ...], origin: str, muon_nd: bool) -> None:
@@ -632,7 +647,7 @@ def _check_blocks(r: Route, p: Tensor, sizes: tuple[int, ...], origin: str, muon
 
 
 def _blocks_reason(reason: str, found: tuple[str, tuple[int, ...] | None] | None, sizes: tuple[int, ...] | None,
-                   pattern: str | None) -> str:
+                   pattern: str | None, muon_nd: bool = True) -> str:
     """The reason, with what is fused and whether its blocks are orthogonalised on their own."""
     if sizes is not None:
         what = f"fused {found[0]}" if found else "blocks"
@@ -643,7 +658,8 @@ def _blocks_reason(reason: str, found: tuple[str, tuple[int, ...] | None] | None
     what, found_sizes = found
     if found_sizes is None:
         return f"{reason}; fused {what}, interleaved: orthogonalised whole"
-    off = f"matrix_blocks {pattern!r}" if pattern else "split_fused=True splits it"
+    off = (f"matrix_blocks {pattern!r}" if pattern else "split_fused=True splits it" if muon_nd
+           else "torch.optim.Muon cannot split")
     return f"{reason}; fused {what} {'+'.join(map(str, found_sizes))}, orthogonalised whole ({off})"
 
 

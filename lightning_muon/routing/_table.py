@@ -97,11 +97,12 @@ def plain_table(routes: Sequence[Route], roles_from: str, effective_lr: Effectiv
 
 def render(routes: Sequence[Route], roles_from: str, effective_lr: EffectiveLr | None = None,
            width: int = 140, settings: dict[str, dict[str, Any]] | None = None) -> str:
-    """The table as plain text: drawn by rich when it is installed, else `plain_table`."""
+    """The table as plain text in ``width`` columns: drawn by rich when it is installed, else `plain_table` (its
+    reasons wrapped)."""
     try:
         from rich.console import Console
     except ImportError:
-        return plain_table(routes, roles_from, effective_lr, settings=settings)
+        return plain_table(routes, roles_from, effective_lr, width, settings)
 
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, no_color=True, force_terminal=False)

@@ -187,7 +187,7 @@ def test_inspect_prints_char_gpt_routing(capsys):
     assert len(block_matrices) == 4 * 4
     for name in block_matrices:
         assert rows[name][1] == "Muon", name
-    assert rows["blocks.0.attn.qkv.weight"][-1] == "0.0346"  # 0.02 * sqrt(384 / 128)
+    assert rows["blocks.0.attn.qkv.weight"][-1] == "0.02"  # split into q, k, v by default: 0.02 * sqrt(128 / 128) each
     assert rows["wte.weight"][-1] == "0.003"
     assert "Muon: 16 tensors" in out
     # the head as a fit finds it: from the config's first training batch, followed without training
@@ -207,7 +207,7 @@ def test_group_settings_from_yaml_reach_the_table_and_the_optimizers(capsys, tmp
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]] for line in out.splitlines()
             if line.startswith("│") and "." in line.split("│")[1]}
     assert (rows["wte.weight"][-1], rows["lm_head.weight"][-1]) == ("0.01", "0.002")
-    assert rows["blocks.0.attn.qkv.weight"][-1] == "0.0346"  # Muon's, as configured
+    assert rows["blocks.0.attn.qkv.weight"][-1] == "0.02"  # Muon's, as configured
     assert "embeddings: lr=0.01, weight_decay=0" in out and "head: lr=0.002, betas=[0.8, 0.99]" in out
 
 

@@ -1,5 +1,6 @@
-"""Fused projections found by module type and shape, named in the routing table, and, with ``split_fused`` or a
-``matrix_blocks`` pattern, orthogonalised per block: on GPT-2 (``Conv1D`` ``c_attn``, stored ``in x out``),
+"""Fused projections found by module type and shape (or an attention's ``qk_layout()``), named in the routing
+table, and orthogonalised per block by default where their blocks are equal q, k, v, with ``split_fused=True``
+or a ``matrix_blocks`` pattern elsewhere: on GPT-2 (``Conv1D`` ``c_attn``, stored ``in x out``),
 ``nn.MultiheadAttention`` (``in_proj_weight``), litgpt (``qkv`` with grouped-query attention's unequal blocks) and
 Mixtral (fused experts' ``gate_up_proj``), each model's Muon step equals, bit for bit, a Muon over the same model
 with each fused tensor replaced by separate parameters holding its blocks, as separate layers would. GPT-OSS's
@@ -42,15 +43,57 @@ FUSED = {
 }
 
 
+#: What the default (``split_fused=None``) does: equal q, k, v blocks split, unequal ones and MoE gate/up whole.
+SPLIT_BY_DEFAULT = {"gpt2": True, "mha": True, "litgpt": False, "mixtral": False}
+
+
 @pytest.mark.parametrize("model", list(MODELS))
-def test_found_and_named_kept_whole_by_default(model):
-    name, layout, _, words = FUSED[model]
+def test_found_and_named_equal_qkv_split_by_default(model):
+    name, layout, sizes, words = FUSED[model]
     routing = route_parameters(built(MODELS[model]))
+    route = next(r for r in routing.routes if r.name == name)
+    if SPLIT_BY_DEFAULT[model]:
+        assert (route.layout, route.blocks) == (layout, sizes)
+        assert route.reason.endswith(f"; {words}: each block orthogonalised"), route.reason
+        assert f"{words}: each block orthogonalised" in routing.plain_table()  # the table says it
+    else:
+        assert (route.layout, route.blocks) == (layout, None)
+        assert route.reason.endswith(f"; {words}, orthogonalised whole (split_fused=True splits it)"), route.reason
+        assert all("matrix_blocks" not in g for g in routing.muon_groups)  # Muon's groups as in 0.1
+        assert f"{words}, orthogonalised whole" in routing.plain_table()
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_split_fused_false_keeps_every_one_whole(model):
+    name, layout, _, words = FUSED[model]
+    routing = route_parameters(built(MODELS[model]), split_fused=False)
     route = next(r for r in routing.routes if r.name == name)
     assert (route.layout, route.blocks) == (layout, None)
     assert route.reason.endswith(f"; {words}, orthogonalised whole (split_fused=True splits it)"), route.reason
-    assert all("matrix_blocks" not in g for g in routing.muon_groups)  # Muon's groups as before
-    assert f"{words}, orthogonalised whole" in routing.plain_table()  # the table says it
+    assert all("matrix_blocks" not in g for g in routing.muon_groups)
+
+
+def test_the_default_keeps_fused_whole_for_torch_muon():
+    """``muon_nd=False`` (``torch.optim.Muon``, which cannot split): the default keeps q, k, v whole, and says why,
+    where ``split_fused=True`` is refused (`test_blocks_that_cannot_be_are_refused_with_the_fix`)."""
+    name, _, _, words = FUSED["gpt2"]
+    route = next(r for r in route_parameters(built(MODELS["gpt2"]), muon_nd=False).routes if r.name == name)
+    assert route.blocks is None
+    assert route.reason.endswith(f"; {words}, orthogonalised whole (torch.optim.Muon cannot split)"), route.reason
+
+
+def test_an_attention_s_qk_layout_names_its_fused_qkv():
+    """The shipped GPT's attention holds q, k and v in one ``qkv`` weight, which only its ``qk_layout()`` says: found
+    there, split by default into the blocks ``configs/gpt_muon_split.yaml``'s pattern gives by hand."""
+    from lightning_muon.examples.char_gpt import GPT
+
+    net = built(lambda: GPT(n_layer=2, n_head=4, n_embd=32, block_size=16))
+    found = route_parameters(net)
+    by_hand = route_parameters(net, split_fused=False, matrix_blocks={"*.qkv.weight": [32, 32, 32]})
+    assert [(r.name, r.blocks) for r in found.routes] == [(r.name, r.blocks) for r in by_hand.routes]
+    assert found.muon_groups[0]["matrix_blocks"] == by_hand.muon_groups[0]["matrix_blocks"]
+    qkv = next(r for r in found.routes if r.name == "blocks.0.attn.qkv.weight")
+    assert qkv.reason.endswith("; fused q, k, v 32+32+32: each block orthogonalised"), qkv.reason
 
 
 @pytest.mark.parametrize("model", list(MODELS))

@@ -185,7 +185,8 @@ def test_gpt2_conv1d_effective_lr_reads_the_real_fan_out_and_fan_in():
     opt, params = muon_for(model)
     lrs = {name: opt.effective_lr(params[name]) for name in GPT2_CONV1D}
     assert lrs == pytest.approx({
-        "transformer.h.0.attn.c_attn.weight": LR * math.sqrt(3),  # 32 -> 96, stored (32, 96)
+        # 32 -> 96, stored (32, 96): split by default into q, k, v, each lr-scaled as a 32 -> 32 layer
+        "transformer.h.0.attn.c_attn.weight": LR,
         "transformer.h.0.attn.c_proj.weight": LR,  # 32 -> 32
         "transformer.h.0.mlp.c_fc.weight": 0.04,  # 32 -> 128, stored (32, 128)
         "transformer.h.0.mlp.c_proj.weight": 0.02,  # 128 -> 32, stored (128, 32)
