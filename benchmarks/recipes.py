@@ -6,7 +6,9 @@ Each side is one config this writes: AdamW alone (the reference, its lr swept), 
 plus one part: the momentum schedule (`MomentumSchedule`: 0.85 to 0.95 over the first 10% of the updates, back to
 0.85 over the last 10%, as the modded-nanogpt speedrun does), weight decay following the lr (`WeightDecaySchedule`
 under a `WarmupCosine` lr schedule), an EMA of the weights (Lightning's `EMAWeightAveraging`; validation runs on
-the averaged weights), per-role AdamW lrs (`group_settings`), NorMuon. Every side runs through the real command:
+the averaged weights), per-role AdamW lrs (`group_settings`), NorMuon; and the recipe, the momentum schedule and the
+EMA together (`configs/gpt_muon_recipe.yaml`). The shipped GPT's fused ``qkv`` is orthogonalised whole in every side
+(``split_fused: false``, 0.1's routing, which the study was measured with). Every side runs through the real command:
 first the reference::
 
     lightning-muon compare MODEL_adamw.yaml --multipliers 0.5,1,2 --seeds 2
@@ -60,7 +62,7 @@ def parts(steps: int, adamw_lr: float) -> dict[str, tuple[str, dict[str, Any]]]:
     to the trainer's; ``model``: the model's init args; ``muon``: the Muon factory's)."""
     tenth = max(1, steps // 10)
     roles = {role: {"lr": float(f"{adamw_lr * factor:.3g}")} for role, factor in ROLE_LRS.items()}
-    return {
+    sides: dict[str, tuple[str, dict[str, Any]]] = {
         "defaults": ("Muon's defaults (the shipped config)", {}),
         "momentum": (f"+ momentum schedule (0.85 to 0.95 over {tenth} updates, back to 0.85 over the last {tenth})",
                      {"callbacks": [{"class_path": f"{SCHEDULES}.MomentumSchedule", "init_args": {
@@ -76,6 +78,10 @@ def parts(steps: int, adamw_lr: float) -> dict[str, tuple[str, dict[str, Any]]]:
                   {"model": {"group_settings": roles}}),
         "normuon": ("+ NorMuon (`normuon_beta2: 0.95`)", {"muon": {"normuon_beta2": 0.95}}),
     }
+    # the recipe: the parts that helped beyond the seeds' spread on both models, together
+    sides["recipe"] = ("+ momentum schedule and EMA together (the recipe, `configs/gpt_muon_recipe.yaml`)",
+                       {"callbacks": sides["momentum"][1]["callbacks"] + sides["ema"][1]["callbacks"]})
+    return sides
 
 
 def shipped_gpt(steps: int, muon: bool) -> dict[str, Any]:
@@ -105,7 +111,7 @@ MODELS_HERE = {
     "gpt": ("the shipped GPT (`configs/gpt_muon.yaml`: `CharGPT`, 4 layers, width 128)", shipped_gpt),
     "llama": (f"{MODELS['llama']['what']} (`muon_variants.py`'s)", llama),
 }
-SIDES = ["adamw", "defaults", "momentum", "wd_lr", "roles", "normuon", "ema"]
+SIDES = ["adamw", "defaults", "momentum", "wd_lr", "roles", "normuon", "ema", "recipe"]
 
 
 def config(model: str, side: str, steps: int) -> tuple[dict[str, Any], str]:
