@@ -623,10 +623,10 @@ def _found_sizes(shape: tuple[int, ...], groups: int | None, heads: HeadBlocks |
         return None
     if gates is not None:
         return fused[1] if muon_nd or split_fused else None
-    return fused[1] if split_fused or (split_fused is None and muon_nd and split_by_default(*fused)) else None
+    return fused[1] if split_fused or (split_fused is None and muon_nd and _split_by_default(*fused)) else None
 
 
-def split_by_default(what: str, sizes: tuple[int, ...] | None) -> bool:
+def _split_by_default(what: str, sizes: tuple[int, ...] | None) -> bool:
     """Whether ``route_parameters(split_fused=None)`` (the default) splits a fused projection of ``what``
     (``"q, k, v"``) into blocks of ``sizes``: attention projections of equal blocks (q, k and v of one width:
     measured better split on the shipped GPT and GPT-2, docs/guides/routing.md), not grouped-query attention's
