@@ -200,7 +200,7 @@ def test_fit_arguments_add_clock_validation_and_logger(tmp_path):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_fit_arguments_resolve_with_every_shipped_config(config, tmp_path, monkeypatch, capsys):
-    """``--trainer.callbacks+=`` keeps the config's callbacks (MuonMonitor, the recipe's MomentumSchedule) and adds
+    """``--trainer.callbacks+=`` keeps the config's callbacks (MuonMonitor, the recipe's MomentumSchedule and EMA) and adds
     the clock; logs go to compare."""
     monkeypatch.chdir(tmp_path)  # the shipped configs by name, from a directory without them
     monkeypatch.setattr("sys.argv", ["lightning-muon"])  # arguments given explicitly: no LightningCLI warning
@@ -209,7 +209,8 @@ def test_fit_arguments_resolve_with_every_shipped_config(config, tmp_path, monke
         main(["fit", *args, "--print_config"])
     printed = yaml.safe_load(capsys.readouterr().out)
     callbacks = [c["class_path"] for c in printed["trainer"]["callbacks"]]
-    own = {"gpt_muon_recipe.yaml": ["lightning_muon.MomentumSchedule"]}.get(config.name, [])
+    recipe = ["lightning_muon.MomentumSchedule", "lightning.pytorch.callbacks.EMAWeightAveraging"]
+    own = {"gpt_muon_recipe.yaml": recipe}.get(config.name, [])
     assert callbacks == ["lightning_muon.MuonMonitor", *own, CLOCK]
     logger = printed["trainer"]["logger"]
     assert logger["class_path"] == "lightning.pytorch.loggers.CSVLogger"
