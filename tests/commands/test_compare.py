@@ -200,8 +200,8 @@ def test_fit_arguments_add_clock_validation_and_logger(tmp_path):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_fit_arguments_resolve_with_every_shipped_config(config, tmp_path, monkeypatch, capsys):
-    """``--trainer.callbacks+=`` keeps the config's callbacks (MuonMonitor, the recipe's MomentumSchedule and EMA) and adds
-    the clock; logs go to compare."""
+    """``--trainer.callbacks+=`` keeps the config's callbacks (MuonMonitor, the recipe's MomentumSchedule and EMA)
+    and adds the clock; logs go to compare."""
     monkeypatch.chdir(tmp_path)  # the shipped configs by name, from a directory without them
     monkeypatch.setattr("sys.argv", ["lightning-muon"])  # arguments given explicitly: no LightningCLI warning
     args = fit_arguments(config.name, tmp_path, config.stem)
