@@ -32,6 +32,8 @@ FIGURES = [
     ("README.md", "0.50 of one process's FLOPs under TP(2) and\n  0.25 under dp=2 x tp=2", "distributed_tp.md"),
     # The main job as shipped (bf16 Newton-Schulz, the fused qkv split by default); val_bpb is val_loss / ln 2.
     ("README.md", "CharGPT: val_loss 1.6746, val_bpb 2.4159", "main_job.md"),
+    ("docs/guides/worth-it.md", "(1.6746 against 1.7074", "main_job.md"),
+    ("docs/benchmarks.md", "1.6746 split\nagainst 1.7074 whole", "main_job.md"),
     ("docs/benchmarks.md", "1.718 ± 0.004 (Muon + AdamW) vs 2.258 ± 0.006", "quality.md"),
     ("docs/benchmarks.md", "val loss 1.714 (Muon + AdamW) vs 2.251", "quality.md"),
     ("docs/benchmarks.md", "1.722 ± 0.003 vs 2.256 ± 0.008", "compare_sweep/comparison.md"),
