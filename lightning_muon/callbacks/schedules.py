@@ -114,33 +114,46 @@ class MomentumSchedule(_GroupSchedule):
     Moves Muon groups only: those of a `lightning_muon.Muon` or ``torch.optim.Muon`` (`MuonMixin`'s first
     optimizer) and those of a `MuonWithAdamW` with ``algorithm: muon``; AdamW's betas stay as configured.
 
+    ``warmup_steps`` and ``cooldown_steps`` take a number of updates (an int) or a fraction of the fit's (a float
+    in (0, 1], as ``Trainer(val_check_interval=0.25)`` takes a fraction of an epoch): ``warmup_steps=0.1`` warms up
+    over the first 10% of ``total_steps``, rounded to whole updates, so the schedule follows a fit's length.
+
     Args:
         start: the momentum of the first update (the modded-nanogpt speedrun: 0.85).
-        warmup_steps: updates to reach the configured momentum (the speedrun: 300); 0 for none.
+        warmup_steps: updates (or the fraction of the fit's) to reach the configured momentum (the speedrun:
+            300); 0 for none.
         end: the momentum of the last update, with ``cooldown_steps``.
-        cooldown_steps: updates at the end of the fit over which it falls to ``end``; 0 for none.
-        total_steps: the fit's length in updates for the cooldown; ``None``: ``trainer.estimated_stepping_batches``.
-            A fit longer than it is warned about (the cooldown would end before the fit does).
+        cooldown_steps: updates (or the fraction of the fit's) at the end of the fit over which it falls to
+            ``end``; 0 for none.
+        total_steps: the fit's length in updates for the cooldown and the fractions; ``None``:
+            ``trainer.estimated_stepping_batches``. A fit longer than it is warned about (the cooldown would end
+            before the fit does).
 
     Examples:
         ```python
         trainer = L.Trainer(callbacks=[MomentumSchedule(start=0.85, warmup_steps=300)])
+        # the speedrun's shape at any length: up over the first 10% of the updates, down over the last 10%
+        recipe = MomentumSchedule(start=0.85, warmup_steps=0.1, end=0.85, cooldown_steps=0.1)
         ```
     """
 
     hyperparameter = "momentum"
 
     def __init__(
-        self, start: float = 0.85, warmup_steps: int = 300, end: float | None = None, cooldown_steps: int = 0,
-        total_steps: int | None = None,
+        self, start: float = 0.85, warmup_steps: int | float = 300, end: float | None = None,
+        cooldown_steps: int | float = 0, total_steps: int | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("start", start), ("end", end)):
             if value is not None and not 0.0 <= value < 1.0:
                 raise MisconfigurationException(f"MomentumSchedule: {name} must be in [0, 1), got {value!r}")
         for name, count in (("warmup_steps", warmup_steps), ("cooldown_steps", cooldown_steps)):
-            if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-                raise MisconfigurationException(f"MomentumSchedule: {name} must be an int >= 0, got {count!r}")
+            whole = isinstance(count, int) and not isinstance(count, bool) and count >= 0
+            if not whole and not (isinstance(count, float) and 0.0 < count <= 1.0):
+                raise MisconfigurationException(
+                    f"MomentumSchedule: {name} must be an int >= 0 (updates) or a float in (0, 1] (a fraction of the "
+                    f"fit's updates), got {count!r}"
+                )
         if cooldown_steps and end is None:
             raise MisconfigurationException(
                 f"MomentumSchedule: cooldown_steps={cooldown_steps} needs the momentum to end at: give end=..."
@@ -150,6 +163,8 @@ class MomentumSchedule(_GroupSchedule):
         self.start, self.warmup_steps, self.end = start, warmup_steps, end
         self.cooldown_steps, self.total_steps = cooldown_steps, total_steps
         self._total = total_steps or 0
+        #: ``warmup_steps`` and ``cooldown_steps`` in updates, for the fit (fractions resolved at its start).
+        self._warmup, self._cooldown = (c if isinstance(c, int) else 0 for c in (warmup_steps, cooldown_steps))
 
     @override
     def moves(self, optimizer: Optimizer, group: dict[str, Any]) -> bool:
@@ -157,14 +172,23 @@ class MomentumSchedule(_GroupSchedule):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._total = self.total_steps or int(trainer.estimated_stepping_batches)
-        if self.cooldown_steps and self.warmup_steps + self.cooldown_steps > self._total:
+        updates = trainer.estimated_stepping_batches
+        fractions = [c for c in (self.warmup_steps, self.cooldown_steps) if isinstance(c, float)]
+        if self.total_steps is None and not math.isfinite(updates) and (fractions or self.cooldown_steps):
+            raise MisconfigurationException(
+                "MomentumSchedule: a cooldown or a fraction of the fit needs the fit's length, and this fit has no "
+                "end (no max_steps or max_epochs): give the Trainer max_steps, or MomentumSchedule total_steps."
+            )
+        self._total = self.total_steps or (int(updates) if math.isfinite(updates) else 0)
+        self._warmup, self._cooldown = (
+            round(c * self._total) if isinstance(c, float) else c for c in (self.warmup_steps, self.cooldown_steps)
+        )
+        if self._cooldown and self._warmup + self._cooldown > self._total:
             raise MisconfigurationException(
                 f"MomentumSchedule: warmup_steps={self.warmup_steps} and cooldown_steps={self.cooldown_steps} "
                 f"overlap in a fit of {self._total} updates: shorten them, or give a longer total_steps."
             )
-        updates = trainer.estimated_stepping_batches
-        if self.cooldown_steps and self.total_steps is not None and math.isfinite(updates) and updates > self._total:
+        if self._cooldown and self.total_steps is not None and math.isfinite(updates) and updates > self._total:
             rank_zero_warn(
                 f"MomentumSchedule: total_steps={self._total} is shorter than this fit's {int(updates)} updates: the "
                 f"cooldown ends at update {self._total} and the momentum stays at end={self.end} after it. Give "
@@ -175,7 +199,7 @@ class MomentumSchedule(_GroupSchedule):
     def value(self, step: int, group: dict[str, Any], base: dict[str, float]) -> float:
         reference = max(b["momentum"] for groups in self.bases for b in groups if b)
         scheduled = momentum_at(
-            step, reference, self.start, self.warmup_steps, self.end, self.cooldown_steps, self._total
+            step, reference, self.start, self._warmup, self.end, self._cooldown, self._total
         )
         if base["momentum"] == reference:
             return scheduled

@@ -184,7 +184,10 @@ def test_a_plain_optimizer_under_automatic_optimization(tmp_path):
     [
         ({"cooldown_steps": 3}, r"cooldown_steps=3 needs the momentum to end at: give end=\.\.\."),
         ({"start": 1.0}, r"start must be in \[0, 1\), got 1\.0"),
-        ({"warmup_steps": -1}, r"warmup_steps must be an int >= 0, got -1"),
+        ({"warmup_steps": -1}, r"warmup_steps must be an int >= 0 \(updates\) or a float in \(0, 1\] \(a fraction "
+                               r"of the fit's updates\), got -1"),
+        ({"end": 0.5, "cooldown_steps": 1.5}, r"cooldown_steps must be an int >= 0 \(updates\) or a float in \(0, 1\]"),
+        ({"warmup_steps": 0.0}, r"warmup_steps must be an int >= 0 \(updates\) or a float in \(0, 1\]"),
     ],
 )
 def test_momentum_schedule_refuses_bad_arguments(kwargs, message):
@@ -215,3 +218,25 @@ def test_a_total_steps_shorter_than_the_fit_is_warned_about(tmp_path):
 def test_a_total_steps_as_long_as_the_fit_is_not_warned_about(tmp_path, recwarn):
     mixin_fit(tmp_path, [MomentumSchedule(warmup_steps=1, end=0.5, cooldown_steps=1, total_steps=8)], max_steps=8)
     assert not [w for w in recwarn if "MomentumSchedule" in str(w.message)]
+
+
+def test_fractions_of_the_fit_follow_its_length(tmp_path):
+    """``warmup_steps=0.25, cooldown_steps=0.25`` of an 8-update fit are 2 updates each: the same momenta, update by
+    update, as the ints; in a 4-update fit 1 each (the recipe config's shape at any ``max_steps``)."""
+    as_ints, _, _ = mixin_fit(tmp_path / "ints", [MomentumSchedule(warmup_steps=2, end=0.5, cooldown_steps=2)])
+    fractions = MomentumSchedule(warmup_steps=0.25, end=0.5, cooldown_steps=0.25)
+    as_fractions, _, _ = mixin_fit(tmp_path / "fractions", [fractions])
+    assert muon_momenta(as_fractions) == muon_momenta(as_ints)
+    halfway_up, halfway_down = 0.85 + (0.95 - 0.85) / 2, 0.95 + (0.5 - 0.95) / 2
+    assert muon_momenta(as_ints) == [0.85, halfway_up, 0.95, 0.95, 0.95, 0.95, halfway_down, 0.5]
+    shorter, _, _ = mixin_fit(tmp_path / "short", [MomentumSchedule(warmup_steps=0.25, end=0.5, cooldown_steps=0.25)],
+                              max_steps=4)
+    assert muon_momenta(shorter) == [0.85, 0.95, 0.95, 0.5]
+
+
+def test_a_fraction_needs_a_fit_with_an_end(tmp_path):
+    schedule = MomentumSchedule(warmup_steps=0.1)
+    model = MuonRegression(batch_size=2)
+    trainer = make_trainer(tmp_path, max_steps=-1, max_epochs=-1, callbacks=[schedule])
+    with pytest.raises(MisconfigurationException, match=r"a cooldown or a fraction of the fit needs the fit's length"):
+        trainer.fit(model)
