@@ -240,3 +240,17 @@ def test_a_fraction_needs_a_fit_with_an_end(tmp_path):
     trainer = make_trainer(tmp_path, max_steps=-1, max_epochs=-1, callbacks=[schedule])
     with pytest.raises(MisconfigurationException, match=r"a cooldown or a fraction of the fit needs the fit's length"):
         trainer.fit(model)
+
+
+def test_a_warmup_of_updates_runs_in_a_fit_with_no_end(tmp_path):
+    """``max_steps=-1, max_epochs=-1`` (stopped by a callback here): a warm-up counted in updates needs no length."""
+
+    class StopAfter(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            trainer.should_stop = trainer.global_step >= 3
+
+    settings = Settings()
+    trainer = make_trainer(tmp_path, max_steps=-1, max_epochs=-1,
+                           callbacks=[MomentumSchedule(start=0.85, warmup_steps=2), settings, StopAfter()])
+    trainer.fit(MuonRegression(batch_size=2))
+    assert muon_momenta(settings)[:3] == [0.85, 0.85 + (0.95 - 0.85) / 2, 0.95]
