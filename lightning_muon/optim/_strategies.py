@@ -56,7 +56,7 @@ from lightning_muon.optim._plan import (
     in_bucket_order,
     plan_jobs,
 )
-from lightning_muon.optim.groups import matrices_in, matrix_shape, split_blocks
+from lightning_muon.optim.groups import matrices_in, matrix_shape
 from lightning_muon.optim.norms import any_rank
 from lightning_muon.optim.rules import UpdateRule, rules_for
 
@@ -435,14 +435,10 @@ def _block_bucket(bucket: Bucket, tensors: Sequence[Tensor], states: Mapping[str
     """The one-process buckets of a parameter's blocks, from whole ``tensors`` shaped as the parameter (the update in
     the params', grads' and buffers' places) and its rules' whole state: equal blocks as one stack, else each
     block its own bucket."""
-    sizes, keys = list(bucket.blocks or ()), list(states)
+    keys = list(states)
     whole = [*tensors, *(states[key][0] for key in keys)]
-    stack = None if bucket.settings.exact else _update.equal_blocks_as_stack(whole, "flatten", sizes)
-    pieces: list[Sequence[Tensor]]
-    if stack is not None:
-        layout, pieces = "stack", [stack]
-    else:
-        layout, pieces = "flatten", list(zip(*(split_blocks(t, "flatten", sizes) for t in whole), strict=True))
+    stacked, pieces = _update.block_pieces(whole, "flatten", bucket.blocks, exact=bucket.settings.exact)
+    layout = "stack" if stacked else "flatten"
     blocks = []
     for piece in pieces:
         shape = tuple(piece[0].shape)

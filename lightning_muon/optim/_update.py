@@ -135,16 +135,15 @@ def collect_buckets(
                 continue
             if sizes is not None and is_dtensor(p):
                 whole, back = gather_whole(whole)
-            stack = None if settings.exact else equal_blocks_as_stack(whole, layout, sizes)
-            split = [stack] if stack is not None else zip(*(split_blocks(t, layout, sizes) for t in whole), strict=True)
+            stacked, split = block_pieces(whole, layout, sizes, exact=settings.exact)
             for k, pieces in enumerate(split):
                 params.append(pieces[0])
                 grads.append(pieces[1])
                 bufs.append(pieces[2])
                 for key, piece in zip(keys, pieces[3:], strict=True):
                     states[key].append(piece)
-                names.append(f"{name}[{k}]" if named and sizes and stack is None else name)
-                layouts.append("stack" if stack is not None else layout)
+                names.append(f"{name}[{k}]" if named and sizes and not stacked else name)
+                layouts.append("stack" if stacked else layout)
                 backs.append(back)
         index += len(group["params"])
         for ks in bucket_indices(settings, params, whole_dtensors=whole_dtensors, synced=synced, layouts=layouts):
@@ -203,6 +202,17 @@ def whole_chooser(buckets: Sequence[Bucket], diagnose: Chooser) -> Chooser:
     if not origin:
         return diagnose
     return lambda t: diagnose(origin.get(id(t), t))
+
+
+def block_pieces(tensors: Sequence[Tensor], layout: str, sizes: Sequence[int] | None, *, exact: bool
+                 ) -> tuple[bool, list[Sequence[Tensor]]]:
+    """``tensors`` (a parameter and what steps with it, shaped alike) as the pieces that step as separate parameters
+    would: their equal row blocks as one stack (``True``; off the ``exact`` path, `equal_blocks_as_stack`), else
+    each block (`groups.split_blocks`; the whole tensors without ``sizes``), each piece one tensor per input."""
+    stack = None if exact else equal_blocks_as_stack(tensors, layout, sizes)
+    if stack is not None:
+        return True, [stack]
+    return False, list(zip(*(split_blocks(t, layout, sizes) for t in tensors), strict=True))
 
 
 def equal_blocks_as_stack(tensors: Sequence[Tensor], layout: str, sizes: Sequence[int] | None) -> list[Tensor] | None:

@@ -9,6 +9,7 @@ update maths, `lightning_muon.MuonMonitor` and the Lightning config all read gro
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -172,7 +173,7 @@ def blocks_of(group: dict[str, Any]) -> list[list[int] | None]:
     return group.get(MATRIX_BLOCKS) or [None] * len(group["params"])
 
 
-def split_blocks(tensor: Tensor, layout: str, sizes: list[int] | None) -> list[Tensor]:
+def split_blocks(tensor: Tensor, layout: str, sizes: Sequence[int] | None) -> list[Tensor]:
     """Views of a fused projection's blocks (``sizes`` output rows each, along `block_dim`), each a matrix (or a
     stack of them) of its own; ``[tensor]`` itself without blocks. In-place changes to a view reach the tensor."""
     return [tensor] if sizes is None else list(torch.split(tensor, list(sizes), dim=block_dim(layout)))
