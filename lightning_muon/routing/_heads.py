@@ -8,14 +8,17 @@ projection, then by head. The output projection stays whole: its heads are its i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from lightning_muon.attention import UnsupportedAttentionError, find_attention
+from lightning_muon.attention import AttentionSite, UnsupportedAttentionError, find_attention
 
 __all__ = ["HeadBlocks", "fused_attention", "head_blocks"]
+
+#: One projection's heads in a weight: ``(offset, heads, what, head_dim, transposed)`` (`QKProjection`'s terms).
+Span = tuple[int, int, str, int, bool]
 
 #: ``route_parameters(split_heads=True)`` on a model with an attention whose heads cannot be read.
 HEADS_UNREADABLE = (
@@ -51,15 +54,8 @@ def head_blocks(model: nn.Module, params: dict[str, Tensor], exclude: Sequence[s
         sites = find_attention(model, exclude)
     except UnsupportedAttentionError as error:
         raise ValueError(HEADS_UNREADABLE.format(error=error)) from error
-    names = {id(p): name for name, p in params.items()}
-    spans: dict[str, list[tuple[int, int, str, int, bool]]] = {}
-    for site in sites:
-        for what, projection, heads in site.layout.projections():
-            name = names.get(id(projection.weight))
-            if name is not None:
-                span = (projection.offset, heads, what, site.layout.head_dim, projection.transposed)
-                spans.setdefault(name, []).append(span)
-    return {name: _blocks(name, params[name], sorted(found)) for name, found in spans.items()}
+    spans = _spans(sites, params)
+    return {name: _blocks(name, params[name], found) for name, found in spans.items()}
 
 
 def fused_attention(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -72,25 +68,33 @@ def fused_attention(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:
         sites = find_attention(model)
     except UnsupportedAttentionError:
         return {}
-    params = {id(p): (name, p) for name, p in model.named_parameters()}
-    spans: dict[int, list[tuple[int, int, str, int]]] = {}
-    for site in sites:
-        for what, projection, heads in site.layout.projections():
-            span = (projection.offset, heads * site.layout.head_dim, what[0], projection.out_dim)
-            spans.setdefault(id(projection.weight), []).append(span)
+    params = dict(model.named_parameters())
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for key, held in spans.items():
-        held.sort()
-        ends = [offset + size for offset, size, _, _ in held]
+    for name, held in _spans(sites, params).items():
+        sizes = [heads * head_dim for _, heads, _, head_dim, _ in held]
+        ends = [offset + size for (offset, *_), size in zip(held, sizes, strict=True)]
         contiguous = held[0][0] == 0 and [offset for offset, *_ in held[1:]] == ends[:-1]
-        if key in params and len(held) > 1 and contiguous:
-            name, weight = params[key]
-            if ends[-1] == weight.shape[held[0][3]]:
-                found[name] = (", ".join(letter for _, _, letter, _ in held), tuple(size for _, size, _, _ in held))
+        covered = ends[-1] == params[name].shape[1 if held[0][4] else 0]
+        if len(held) > 1 and contiguous and covered:
+            found[name] = (", ".join(what[0] for _, _, what, _, _ in held), tuple(sizes))
     return found
 
 
-def _blocks(name: str, weight: Tensor, spans: list[tuple[int, int, str, int, bool]]) -> HeadBlocks:
+def _spans(sites: Sequence[AttentionSite], params: Mapping[str, Tensor]) -> dict[str, list[Span]]:
+    """Where the attention ``sites``' projections lie in ``params`` (name -> parameter; others left out): each
+    weight's spans ``(offset, heads, what, head_dim, transposed)``, sorted by offset."""
+    names = {id(p): name for name, p in params.items()}
+    spans: dict[str, list[Span]] = {}
+    for site in sites:
+        for what, projection, heads in site.layout.projections():
+            name = names.get(id(projection.weight))
+            if name is not None:
+                span = (projection.offset, heads, what, site.layout.head_dim, projection.transposed)
+                spans.setdefault(name, []).append(span)
+    return {name: sorted(found) for name, found in spans.items()}
+
+
+def _blocks(name: str, weight: Tensor, spans: list[Span]) -> HeadBlocks:
     """``weight``'s blocks from its heads' spans ``(offset, heads, what, head_dim, transposed)``, sorted by offset;
     a stretch no head covers (an adapter's layout without v, say) is one block of its own."""
     transposed = spans[0][4]
