@@ -163,8 +163,14 @@ class MomentumSchedule(_GroupSchedule):
         self.start, self.warmup_steps, self.end = start, warmup_steps, end
         self.cooldown_steps, self.total_steps = cooldown_steps, total_steps
         self._total = total_steps or 0
-        #: ``warmup_steps`` and ``cooldown_steps`` in updates, for the fit (fractions resolved at its start).
-        self._warmup, self._cooldown = (c if isinstance(c, int) else 0 for c in (warmup_steps, cooldown_steps))
+        #: ``warmup_steps`` and ``cooldown_steps`` in updates of ``_total`` (set again at the fit's start).
+        self._warmup, self._cooldown = self._updates()
+
+    def _updates(self) -> tuple[int, int]:
+        """``warmup_steps`` and ``cooldown_steps`` in updates: a fraction of ``_total``, rounded, or the count."""
+        warmup, cooldown = (round(c * self._total) if isinstance(c, float) else c
+                            for c in (self.warmup_steps, self.cooldown_steps))
+        return warmup, cooldown
 
     @override
     def moves(self, optimizer: Optimizer, group: dict[str, Any]) -> bool:
@@ -180,9 +186,7 @@ class MomentumSchedule(_GroupSchedule):
                 "end (no max_steps or max_epochs): give the Trainer max_steps, or MomentumSchedule total_steps."
             )
         self._total = self.total_steps or (int(updates) if math.isfinite(updates) else 0)
-        self._warmup, self._cooldown = (
-            round(c * self._total) if isinstance(c, float) else c for c in (self.warmup_steps, self.cooldown_steps)
-        )
+        self._warmup, self._cooldown = self._updates()
         if self._cooldown and self._warmup + self._cooldown > self._total:
             raise MisconfigurationException(
                 f"MomentumSchedule: warmup_steps={self.warmup_steps} and cooldown_steps={self.cooldown_steps} "
