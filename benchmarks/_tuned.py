@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +126,22 @@ def extend_edges(configs: Sequence[Path], out: Path, seeds: int, common: Sequenc
             if side.best == lr and seeds > 1:  # the new best: its other seeds (seed 0 is fitted again, the same)
                 compare([config], out, ["--lrs", f"{config.stem}={lr:g}", "--seeds", str(seeds), *common], threads)
     return added
+
+
+def produced_by(script: str, argv: Sequence[str] | None, commands: Mapping[str, Sequence[str]]) -> list[str]:
+    """A report's closing command block: ``python benchmarks/<script>.py`` with its arguments (``argv``, or the
+    process's), then each compare command it ran, one ``# label: command`` line each."""
+    return ["```bash", shlex.join(["python", f"benchmarks/{script}.py", *(sys.argv[1:] if argv is None else argv)]),
+            *[f"# {label}: {shlex.join(command)}" for label, command in commands.items()], "```"]
+
+
+def publish(out: Path, name: str, directories: Sequence[str], report: str, write: bool) -> None:
+    """Print a study's ``report`` and write it as ``out/<name>.md``; with ``write``, keep it in
+    ``benchmarks/results`` (`keep`)."""
+    print(report, flush=True)
+    (out / f"{name}.md").write_text(report + "\n")
+    if write:
+        keep(out, name, directories, report)
 
 
 def keep(out: Path, name: str, directories: Sequence[str], report: str) -> None:

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -200,14 +198,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         *[f"- {n}." for group in notes for n in group], "",
         "Each study's full report (sweep and seeds tables, verdicts, plot) is `comparison.md` in its directory, "
         f"copied with its plot to `results/{args.name}/<model>/`, the configs to "
-        f"`results/{args.name}/configs/`. Produced by:", "", "```bash",
-        shlex.join(["python", "benchmarks/muon_variants.py", *(sys.argv[1:] if argv is None else argv)]),
-        *[f"# {what}: {shlex.join(c)}" for what, c in commands.items()], "```",
+        f"`results/{args.name}/configs/`. Produced by:", "", *_tuned.produced_by("muon_variants", argv, commands),
     ])
-    print(report, flush=True)
-    (out / f"{args.name}.md").write_text(report + "\n")
-    if args.write:
-        _tuned.keep(out, args.name, args.studies, report)
+    _tuned.publish(out, args.name, args.studies, report, args.write)
 
 
 if __name__ == "__main__":

@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import shlex
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -276,14 +274,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         *[f"- {n}." for group in notes for n in group], "",
         "Each model's full report (sweep and seeds tables, steps to target, plot) is `comparison.md` in its "
         "directory, copied with its plot to `results/recipes/<model>/`, the configs to `results/recipes/configs/`. "
-        "Produced by:", "", "```bash",
-        shlex.join(["python", "benchmarks/recipes.py", *(sys.argv[1:] if argv is None else argv)]),
-        *[f"# {m}_{s}: {shlex.join(c)}" for (m, s), c in lines.items()], "```",
+        "Produced by:", "", *_tuned.produced_by("recipes", argv, {f"{m}_{s}": c for (m, s), c in lines.items()}),
     ])
-    print(report, flush=True)
-    (out / "recipes.md").write_text(report + "\n")
-    if args.write:
-        _tuned.keep(out, "recipes", args.models, report)
+    _tuned.publish(out, "recipes", args.models, report, args.write)
 
 
 if __name__ == "__main__":

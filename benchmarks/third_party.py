@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import shlex
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -221,14 +219,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                  "same seeds", "", variants, ""]
     body += ["Each model's full report (sweep and seeds tables, verdict, plot) is `comparison.md` in its output "
              "directory, copied with its plot to `results/third_party/<model>/`, and the configs to "
-             "`results/third_party/configs/`. Produced by:", "", "```bash",
-             shlex.join(["python", "benchmarks/third_party.py", *(sys.argv[1:] if argv is None else argv)]),
-             *[f"# {what}: {shlex.join(c)}" for what, c in commands.items()], "```"]
+             "`results/third_party/configs/`. Produced by:", "", *_tuned.produced_by("third_party", argv, commands)]
     report = "\n".join(["# Quality on third-party models: Muon + AdamW against AdamW alone, each tuned", "", *body])
-    print(report, flush=True)
-    (out / "third_party.md").write_text(report + "\n")
-    if args.write:
-        _tuned.keep(out, "third_party", [*args.models, *(["gpt2_variants"] if variants else [])], report)
+    _tuned.publish(out, "third_party", [*args.models, *(["gpt2_variants"] if variants else [])], report, args.write)
 
 
 if __name__ == "__main__":

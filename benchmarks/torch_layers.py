@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -164,14 +162,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "GRU's gates split by default.", "",
         "Each study's full report (sweep and seeds tables, verdicts, plot) is `comparison.md` in its directory, "
         "copied with its plot to `results/torch_layers/<study>/`, the configs to `results/torch_layers/configs/`. "
-        "Produced by:", "", "```bash",
-        shlex.join(["python", "benchmarks/torch_layers.py", *(sys.argv[1:] if argv is None else argv)]),
-        *[f"# {what}: {shlex.join(c)}" for what, c in commands.items()], "```",
+        "Produced by:", "", *_tuned.produced_by("torch_layers", argv, commands),
     ])
-    print(report, flush=True)
-    (out / "torch_layers.md").write_text(report + "\n")
-    if args.write:
-        _tuned.keep(out, "torch_layers", args.studies, report)
+    _tuned.publish(out, "torch_layers", args.studies, report, args.write)
 
 
 if __name__ == "__main__":
