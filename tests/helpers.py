@@ -89,6 +89,51 @@ def built(make: Callable[[], nn.Module]) -> nn.Module:
         return make()
 
 
+def assert_blocks_step_as_separate_parameters(muon_groups: list[dict[str, Any]]) -> dict[str, tuple[int, ...]]:
+    """Three Muon steps over a routing's ``muon_groups`` (``(name, parameter)`` pairs, some with ``matrix_blocks``)
+    equal, bit for bit, a Muon over the same parameters with each blocked tensor replaced by one parameter per block
+    (same gradients); returns the blocked parameters' names and blocks."""
+    from lightning_muon.optim.groups import block_dim
+
+    split_params, reference_groups = {}, []
+    for group in muon_groups:
+        params, layouts = [], []
+        layouts_given = group.get("matrix_layouts", ["flatten"] * len(group["params"]))
+        blocks = group.get("matrix_blocks", [None] * len(group["params"]))
+        for (n, p), layout, sizes in zip(group["params"], layouts_given, blocks, strict=True):
+            if sizes:
+                dim = block_dim(layout) % p.ndim
+                pieces = [nn.Parameter(b.detach().clone()) for b in p.split(list(sizes), dim=dim)]
+                split_params[n] = (p, dim, list(sizes), pieces)
+                params += pieces
+                layouts += [layout] * len(pieces)
+            else:
+                params.append(nn.Parameter(p.detach().clone()))
+                layouts.append(layout)
+        reference_groups.append({"params": params, "matrix_layouts": layouts})
+    settings = {"lr": 0.02, "weight_decay": 0.1}
+    split, reference = Muon(muon_groups, **settings), Muon(reference_groups, **settings)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for group, ref in zip(split.param_groups, reference.param_groups, strict=True):
+            ref_params = iter(ref["params"])
+            for n, p in zip(group["param_names"], group["params"], strict=True):
+                p.grad = torch.randn(p.shape, generator=g)
+                pieces = p.grad.split(split_params[n][2], dim=split_params[n][1]) if n in split_params else [p.grad]
+                for piece in pieces:
+                    next(ref_params).grad = piece.clone()
+        split.step()
+        reference.step()
+    for p, dim, _, pieces in split_params.values():
+        assert torch.equal(p.detach(), torch.cat([q.detach() for q in pieces], dim=dim))
+    whole = [p for group in split.param_groups for n, p in zip(group["param_names"], group["params"], strict=True)
+             if n not in split_params]
+    separate = {id(q) for *_, qs in split_params.values() for q in qs}
+    ref_whole = [p for group in reference.param_groups for p in group["params"] if id(p) not in separate]
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(whole, ref_whole, strict=True))
+    return {n: tuple(sizes) for n, (_, _, sizes, _) in split_params.items()}
+
+
 class TokenLM(L.LightningModule):
     """A language model's module for the tests (a subclass sets ``self.model``, a transformers causal LM of
     vocabulary 64): trained on 8 fixed random sequences of 16 tokens, in batches of 4."""

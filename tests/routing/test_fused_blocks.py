@@ -9,16 +9,13 @@ interleaved ``gate_up_proj`` is named and kept whole."""
 from __future__ import annotations
 
 import pytest
-import torch
 from litgpt import GPT, Config
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, GptOssConfig, GptOssForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from lightning_muon import Muon
-from lightning_muon.optim.groups import block_dim
 from lightning_muon.routing import route_parameters
 
-from helpers import built
+from helpers import assert_blocks_step_as_separate_parameters, built
 
 SMALL = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 16}
@@ -105,39 +102,8 @@ def test_split_each_block_steps_as_a_separate_layer(model):
     routing = route_parameters(net, split_fused=True)
     route = next(r for r in routing.routes if r.name == name)
     assert route.blocks == sizes and f"{words}: each block orthogonalised" in route.reason
-    fused = net.get_parameter(name)
-    dim = block_dim(layout) % fused.ndim
-    separate = [nn.Parameter(b.detach().clone()) for b in fused.split(list(sizes), dim=dim)]
-    reference_groups = []
-    for group in routing.muon_groups:
-        params, layouts = [], []
-        for (n, p), lay in zip(group["params"], group.get("matrix_layouts", ["flatten"] * len(group["params"]))):
-            if n == name:
-                params += separate
-                layouts += [lay] * len(separate)
-            else:
-                params.append(nn.Parameter(p.detach().clone()))
-                layouts.append(lay)
-        reference_groups.append({"params": params, "matrix_layouts": layouts})
-    settings = {"lr": 0.02, "weight_decay": 0.1}
-    split = Muon(routing.muon_groups, **settings)
-    reference = Muon(reference_groups, **settings)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        for group, ref in zip(split.param_groups, reference.param_groups, strict=True):
-            ref_params = iter(ref["params"])
-            for p in group["params"]:
-                p.grad = torch.randn(p.shape, generator=g)
-                pieces = p.grad.split(list(sizes), dim=dim) if p is fused else [p.grad]
-                for piece in pieces:
-                    next(ref_params).grad = piece.clone()
-        split.step()
-        reference.step()
-    assert torch.equal(fused.detach(), torch.cat([p.detach() for p in separate], dim=dim))
-    others = [p for group in split.param_groups for p in group["params"] if p is not fused]
-    ref_others = [p for group in reference.param_groups for p in group["params"]
-                  if not any(p is s for s in separate)]
-    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(others, ref_others, strict=True))
+    assert route.layout == layout  # its blocks along this layout's output dim
+    assert assert_blocks_step_as_separate_parameters(routing.muon_groups) == {name: sizes}
 
 
 def test_interleaved_gate_up_is_named_and_kept_whole():

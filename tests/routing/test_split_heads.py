@@ -18,10 +18,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from lightning_muon import Muon, MuonWithAdamW
 from lightning_muon.examples.char_gpt import GPT as CharGPTModel
-from lightning_muon.optim.groups import block_dim
 from lightning_muon.routing import route_parameters
 
-from helpers import built
+from helpers import assert_blocks_step_as_separate_parameters, built
 
 MODELS = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
@@ -82,52 +81,13 @@ def test_the_blocks_are_the_heads(model):
     assert all(r.blocks is None or len(r.blocks) < len(HEADS[model].get(r.name, ())) for r in unsplit.routes)
 
 
-def layouts_of(group):
-    return group.get("matrix_layouts", ["flatten"] * len(group["params"]))
-
-
 @pytest.mark.parametrize("model", list(MODELS))
 def test_each_head_steps_as_a_separate_parameter(model):
     """Three Muon steps with ``split_heads`` equal a Muon over the same parameters with each split tensor replaced
     by one parameter per head (same gradients), bit for bit."""
-    net = built(MODELS[model])
-    routing = route_parameters(net, split_heads=True)
-    split_params, reference_groups = {}, []
-    for group in routing.muon_groups:
-        params, layouts = [], []
-        blocks = group.get("matrix_blocks", [None] * len(group["params"]))
-        for (n, p), lay, sizes in zip(group["params"], layouts_of(group), blocks, strict=True):
-            if sizes:
-                dim = block_dim(lay) % p.ndim
-                pieces = [nn.Parameter(b.detach().clone()) for b in p.split(list(sizes), dim=dim)]
-                split_params[n] = (p, dim, list(sizes), pieces)
-                params += pieces
-                layouts += [lay] * len(pieces)
-            else:
-                params.append(nn.Parameter(p.detach().clone()))
-                layouts.append(lay)
-        reference_groups.append({"params": params, "matrix_layouts": layouts})
-    assert set(split_params) == set(HEADS[model])
-    settings = {"lr": 0.02, "weight_decay": 0.1}
-    split, reference = Muon(routing.muon_groups, **settings), Muon(reference_groups, **settings)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        for group, ref in zip(split.param_groups, reference.param_groups, strict=True):
-            ref_params = iter(ref["params"])
-            for n, p in zip(group["param_names"], group["params"], strict=True):
-                p.grad = torch.randn(p.shape, generator=g)
-                pieces = p.grad.split(split_params[n][2], dim=split_params[n][1]) if n in split_params else [p.grad]
-                for piece in pieces:
-                    next(ref_params).grad = piece.clone()
-        split.step()
-        reference.step()
-    for p, dim, _, pieces in split_params.values():
-        assert torch.equal(p.detach(), torch.cat([q.detach() for q in pieces], dim=dim))
-    whole = [p for group in split.param_groups for n, p in zip(group["param_names"], group["params"])
-             if n not in split_params]
-    pieces = {id(q) for *_, qs in split_params.values() for q in qs}
-    ref_whole = [p for group in reference.param_groups for p in group["params"] if id(p) not in pieces]
-    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(whole, ref_whole, strict=True))
+    routing = route_parameters(built(MODELS[model]), split_heads=True)
+    split = assert_blocks_step_as_separate_parameters(routing.muon_groups)
+    assert set(split) == set(HEADS[model])
 
 
 def test_a_pattern_decides_over_split_heads():
